@@ -1,0 +1,1 @@
+"""jaxrlvr: reinforcement learning from verifiable rewards for language models, in JAX."""
