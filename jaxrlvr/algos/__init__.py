@@ -1,0 +1,43 @@
+"""RLVR loss math in pure JAX: the CS336 assignment-5 function set and the field's estimators.
+
+Modules (import them, e.g. ``from jaxrlvr.algos import advantages``):
+  losses       the course's functions (masked_mean ... grpo_microbatch_loss), re-exported here
+  loss_config  AdvantageConfig, PolicyLossConfig, LengthRewardConfig, OverlongConfig, contracts
+  advantages   group baselines (mean / RLOO / none) and scales (group / batch std / none)
+  aggregation  token- and sequence-level loss aggregation, exact under microbatching
+  policy_loss  the clipped / dual-clip / GSPO / KL / entropy / TIS policy objective and metrics
+  kl           k1 / k2 / k3 KL estimators
+  importance   truncated importance sampling weights and mismatch metrics
+  gae          PPO per-token rewards, GAE and the clipped value loss
+  shaping      Kimi k1.5 length reward, DAPO overlong penalty, truncated-completion masking
+
+Every function is pure, jit-able (configs and sizes are static) and opens with chex contracts.
+"""
+
+from jaxrlvr.algos.losses import (
+    compute_entropy,
+    compute_group_normalized_rewards,
+    compute_grpo_clip_loss,
+    compute_naive_policy_gradient_loss,
+    compute_policy_gradient_loss,
+    get_response_log_probs,
+    grpo_microbatch_loss,
+    masked_mean,
+    masked_normalize,
+    sft_microbatch_loss,
+    tokenize_prompt_and_output,
+)
+
+__all__ = [
+    "compute_entropy",
+    "compute_grpo_clip_loss",
+    "compute_group_normalized_rewards",
+    "compute_naive_policy_gradient_loss",
+    "compute_policy_gradient_loss",
+    "get_response_log_probs",
+    "grpo_microbatch_loss",
+    "masked_mean",
+    "masked_normalize",
+    "sft_microbatch_loss",
+    "tokenize_prompt_and_output",
+]

@@ -1,0 +1,75 @@
+"""Loss aggregation over tokens and sequences, exact under microbatching.
+
+A per-token loss l[b, t] with mask m[b, t] becomes one scalar in one of four ways:
+
+    token_mean               sum_bt m*l / sum_bt m                      (DAPO, Yu et al. 2025)
+    seq_mean_token_mean      (1/B) sum_b [sum_t m*l / max(sum_t m, 1)]   (GRPO, Shao et al. 2024)
+    seq_mean_token_sum       (1/B) sum_b sum_t m*l
+    seq_mean_token_sum_norm  (1/(B*C)) sum_b sum_t m*l      (Dr. GRPO, Liu et al. 2025)
+
+with C = norm_constant (e.g. the maximum number of generated tokens).
+
+Every mode is "sum of per-row terms / global denominator". The denominator is computed once on the
+FULL batch (``loss_denominator``) before the microbatch loop; ``aggregate`` then returns one
+microbatch's share, so the sum over microbatches equals the full-batch loss and the accumulated
+gradient equals the full-batch gradient exactly (the token_mean mode would be biased if each
+microbatch divided by its own token count). Per-row counts in seq_mean_token_mean are guarded with
+max(., 1) so an all-masked row contributes 0 instead of NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlvr.algos import loss_config
+
+
+def loss_denominator(mask_bt: jax.Array, cfg: loss_config.PolicyLossConfig) -> jax.Array:
+    """The global denominator of ``cfg.aggregation`` for the full batch, float32 scalar.
+
+    token_mean: max(sum(mask), 1); seq_mean_token_mean and seq_mean_token_sum: B;
+    seq_mean_token_sum_norm: B * norm_constant (Dr. GRPO).
+
+    Args:
+      mask_bt: [B, T] bool/int/float mask of the FULL batch (all microbatches).
+    """
+    loss_config.expect_array(mask_bt, "mask_bt", rank=2, kind="mask")
+    b = float(mask_bt.shape[0])
+    if cfg.aggregation == "token_mean":
+        return jnp.maximum(jnp.sum(jnp.asarray(mask_bt).astype(jnp.float32)), 1.0)
+    if cfg.aggregation == "seq_mean_token_sum_norm":
+        return jnp.asarray(b * cfg.norm_constant, jnp.float32)
+    return jnp.asarray(b, jnp.float32)
+
+
+def masked_rows(per_token_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    """per_token * mask with masked entries forced to exactly 0 (even if they hold inf/NaN)."""
+    m = jnp.asarray(mask_bt).astype(jnp.float32)
+    return jnp.where(m != 0, per_token_bt.astype(jnp.float32) * m, 0.0)
+
+
+def aggregate(
+    per_token_bt: jax.Array,
+    mask_bt: jax.Array,
+    cfg: loss_config.PolicyLossConfig,
+    denominator: jax.Array | float,
+) -> jax.Array:
+    """This microbatch's contribution to the aggregated loss (see the module docstring).
+
+    token_mean and the seq_mean_token_sum modes: sum_bt(m * l) / denominator;
+    seq_mean_token_mean: sum_b(sum_t(m * l) / max(sum_t m, 1)) / denominator.
+    Summed over the microbatches of a batch, this equals the full-batch aggregation.
+
+    Args:
+      per_token_bt: floating [B_mb, T] per-token loss.
+      mask_bt: [B_mb, T] mask of the same microbatch.
+      cfg: the config whose ``aggregation`` chooses the mode.
+      denominator: ``loss_denominator`` of the FULL batch (scalar).
+    """
+    loss_config.expect_array(per_token_bt, "per_token_bt", rank=2, kind="float")
+    loss_config.expect_array(mask_bt, "mask_bt", shape=per_token_bt.shape, kind="mask")
+    loss_config.expect_array(denominator, "denominator", rank=0)
+    row_sums = jnp.sum(masked_rows(per_token_bt, mask_bt), axis=-1)
+    if cfg.aggregation == "seq_mean_token_mean":
+        counts = jnp.sum(jnp.asarray(mask_bt).astype(jnp.float32), axis=-1)
+        row_sums = row_sums / jnp.maximum(counts, 1.0)
+    return jnp.sum(row_sums) / denominator
