@@ -1,0 +1,221 @@
+"""Model configuration for the Qwen2 / Qwen2.5 family, built from or written to HF config.json.
+
+The dataclass holds exactly the fields the forward pass needs plus the numeric dtypes jaxrlvr adds
+(compute ``dtype``, storage ``param_dtype``) and ``remat``. Fields that only matter to other tools
+(token ids, ``torch_dtype``...) ride along in ``hf_config`` so ``to_hf_config`` round-trips them.
+
+Sliding-window attention and rope scaling other than the default are rejected with a clear error:
+Qwen2.5 checkpoints ship with ``use_sliding_window: false`` and no scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+import jax.numpy as jnp
+
+DType = Literal["float32", "bfloat16"]
+_DTYPES = get_args(DType)
+_SUPPORTED_ROPE_TYPES = ("default",)
+
+
+class ConfigError(ValueError):
+    """A model config that jaxrlvr cannot honour exactly."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim_override: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: bool = False
+    hf_config: Mapping[str, Any] | None = dataclasses.field(
+        default=None, compare=False, repr=False, hash=False
+    )
+
+    def __post_init__(self):
+        for key in ("dtype", "param_dtype"):
+            value = getattr(self, key)
+            if value not in _DTYPES:
+                raise ConfigError(f"model.{key}={value!r}: expected one of {_DTYPES}")
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            if int(getattr(self, key)) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r}: must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim_override is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model head_dim={self.head_dim} must be even for rotary embeddings")
+
+    # Derived values.
+    @property
+    def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per key/value head (grouped-query attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Exact parameter count (the same number transformers reports)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        n, k, h = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = d * n * h + n * h + 2 * (d * k * h + k * h) + n * h * d
+        layer = attn + 3 * d * f + 2 * d
+        embed = v * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + d
+
+    def num_non_embedding_params(self) -> int:
+        return self.num_params() - self.vocab_size * self.hidden_size * (
+            1 if self.tie_word_embeddings else 2
+        )
+
+    # Hugging Face interop.
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
+        """Builds the config from a parsed HF ``config.json`` (model_type must be qwen2)."""
+        model_type = hf.get("model_type")
+        if model_type != "qwen2":
+            raise ConfigError(f"config.json: model_type={model_type!r}, expected 'qwen2'")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"config.json: rope scaling type {rope_type!r} is not supported "
+                f"(supported: {_SUPPORTED_ROPE_TYPES})"
+            )
+        if hf.get("rope_scaling") and hf.get("rope_scaling", {}).get("factor") not in (None, 1.0):
+            raise ConfigError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported")
+        if hf.get("use_sliding_window"):
+            raise ConfigError("config.json: use_sliding_window=true is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act={act!r} is not supported (expected 'silu')")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0)) if rope else None
+        if theta is None:
+            theta = hf.get("rope_theta", 10000.0)
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim_override=hf.get("head_dim"),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            hf_config=dict(hf),
+        )
+        if fields["head_dim_override"] == fields["hidden_size"] // fields["num_attention_heads"]:
+            fields["head_dim_override"] = None
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides) -> ModelConfig:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no config.json found")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf_config(hf, **overrides)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict that transformers' Qwen2Config (and vLLM) load."""
+        out = dict(self.hf_config or {})
+        for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
+            out.pop(stale, None)
+        out.update(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            use_sliding_window=False,
+            dtype=self.param_dtype,
+        )
+        out.setdefault("sliding_window", None)
+        out.setdefault("max_window_layers", self.num_hidden_layers)
+        out["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        if self.head_dim_override is not None:
+            out["head_dim"] = self.head_dim_override
+        return out
+
+    # Presets.
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """A ~0.1M-parameter model for tests and the CPU demo."""
+        fields = dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)

@@ -1,0 +1,305 @@
+"""Qwen2 / Qwen2.5 causal language model in Flax NNX, with a KV cache for incremental decoding.
+
+Attribute names mirror transformers' ``Qwen2ForCausalLM`` (``model.embed_tokens``,
+``model.layers.self_attn.q_proj``, ``input_layernorm``, ``lm_head``) so the weight map in
+``weights.py`` is mechanical. Decoder layers are stored stacked along a leading ``layers`` axis
+and run with ``lax.scan``: one layer is traced and compiled, not L of them.
+
+Semantics follow transformers: ``attention_mask`` [B, T] marks real tokens (1) and padding (0);
+the causal mask is by index; ``position_ids`` default to ``arange(T)`` regardless of padding (pass
+them explicitly for left padding). Norms, softmax and rotary tables are computed in float32.
+
+Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 uses none of them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxrlvr.model import sharding
+from jaxrlvr.model.config import ModelConfig
+
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def _param(rngs: nnx.Rngs | None, shape, std, dtype, axes, init="normal") -> nnx.Param:
+    if init == "normal":
+        value = jax.random.normal(rngs.params(), shape, jnp.float32) * std
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = jnp.ones(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled by ``weight`` (HF Qwen2RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, stack: int | None = None):
+        shape, axes = ((stack, dim), ("layers", "norm")) if stack else ((dim,), ("norm",))
+        self.weight = _param(None, shape, 0.0, dtype, axes, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Projection(nnx.Module):
+    """A dense kernel of any shape (``kernel`` and optional ``bias``), used through einsum."""
+
+    def __init__(self, kernel_shape, kernel_axes, bias_shape, bias_axes, *, cfg, rngs, stack):
+        lead, lead_axes = ((stack,), ("layers",)) if stack else ((), ())
+        dtype = cfg.storage_dtype
+        self.kernel = _param(
+            rngs, lead + tuple(kernel_shape), cfg.initializer_range, dtype, lead_axes + kernel_axes
+        )
+        if bias_shape is not None:
+            self.bias = _param(
+                None, lead + tuple(bias_shape), 0.0, dtype, lead_axes + bias_axes, "zeros"
+            )
+        else:
+            self.bias = None
+
+
+class Qwen2Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kw = dict(cfg=cfg, rngs=rngs, stack=stack)
+        self.q_proj = Projection(
+            (d, n, h), ("embed", "heads", "head_dim"), (n, h), ("heads", "head_dim"), **kw
+        )
+        self.k_proj = Projection(
+            (d, k, h), ("embed", "kv_heads", "head_dim"), (k, h), ("kv_heads", "head_dim"), **kw
+        )
+        self.v_proj = Projection(
+            (d, k, h), ("embed", "kv_heads", "head_dim"), (k, h), ("kv_heads", "head_dim"), **kw
+        )
+        self.o_proj = Projection((n, h, d), ("heads", "head_dim", "embed"), None, None, **kw)
+
+
+class Qwen2MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(cfg=cfg, rngs=rngs, stack=stack)
+        self.gate_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw)
+        self.up_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw)
+        self.down_proj = Projection((f, d), ("mlp", "embed"), None, None, **kw)
+
+
+class Qwen2DecoderLayers(nnx.Module):
+    """All decoder layers, parameters stacked along a leading ``layers`` axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        stack = cfg.num_hidden_layers
+        self.self_attn = Qwen2Attention(cfg, rngs=rngs, stack=stack)
+        self.mlp = Qwen2MLP(cfg, rngs=rngs, stack=stack)
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype, stack=stack
+        )
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype, stack=stack
+        )
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = _param(
+            rngs,
+            (cfg.vocab_size, cfg.hidden_size),
+            cfg.initializer_range,
+            cfg.storage_dtype,
+            ("vocab", "embed"),
+        )
+
+
+class Qwen2Model(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg, rngs=rngs)
+        self.layers = Qwen2DecoderLayers(cfg, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype)
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer: ``k`` and ``v`` are [L, B, S, K, H]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    shape = (cfg.num_hidden_layers, batch_size, max_length, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = cfg.compute_dtype if dtype is None else dtype
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float):
+    """cos and sin [B, T, H] in float32 (HF's non-interleaved "rotate_half" layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, H]; cos/sin [B, T, H]."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def grouped_attention(q, k, v, mask_bts) -> jax.Array:
+    """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] (True = attend).
+
+    Scores and softmax are float32 whatever the compute dtype.
+    """
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def _decoder_layer(
+    layer: Qwen2DecoderLayers, cfg, x, cos, sin, mask_bts, k_cache, v_cache, cache_index, mesh
+):
+    """One decoder layer on per-layer parameters (``layer`` holds one slice of the stack)."""
+    dtype = cfg.compute_dtype
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def proj(p, spec, y):
+        out = jnp.einsum(spec, y, p.kernel.value.astype(dtype))
+        return out if p.bias is None else out + p.bias.value.astype(dtype)
+
+    h = layer.input_layernorm(x)
+    q = apply_rotary(proj(attn.q_proj, "BTD,DNH->BTNH", h), cos, sin)
+    k = apply_rotary(proj(attn.k_proj, "BTD,DKH->BTKH", h), cos, sin)
+    v = proj(attn.v_proj, "BTD,DKH->BTKH", h)
+    q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), mesh)
+    if k_cache is not None:
+        k_cache = jax.lax.dynamic_update_slice_in_dim(
+            k_cache, k.astype(k_cache.dtype), cache_index, axis=1
+        )
+        v_cache = jax.lax.dynamic_update_slice_in_dim(
+            v_cache, v.astype(v_cache.dtype), cache_index, axis=1
+        )
+        k, v = k_cache.astype(dtype), v_cache.astype(dtype)
+    out = grouped_attention(q, k, v, mask_bts)
+    x = x + jnp.einsum("BTNH,NHD->BTD", out, attn.o_proj.kernel.value.astype(dtype))
+    x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
+
+    h = layer.post_attention_layernorm(x)
+    gate = jnp.einsum("BTD,DF->BTF", h, mlp.gate_proj.kernel.value.astype(dtype))
+    up = jnp.einsum("BTD,DF->BTF", h, mlp.up_proj.kernel.value.astype(dtype))
+    act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"), mesh)
+    x = x + jnp.einsum("BTF,FD->BTD", act, mlp.down_proj.kernel.value.astype(dtype))
+    x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
+    return x, k_cache, v_cache
+
+
+class Qwen2ForCausalLM(nnx.Module):
+    """Qwen2 causal LM. ``model(input_ids, attention_mask, position_ids)`` -> logits [B, T, V].
+
+    With ``cache`` (a ``KVCache`` of S slots) and ``cache_index``, the T new tokens are written at
+    slots [cache_index, cache_index + T) and attend to slots ``s <= cache_index + t`` where
+    ``attention_mask`` [B, S] (the cache's valid-slot mask, new tokens included) is set; the call
+    then returns ``(logits, new_cache)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh=None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.mesh = mesh
+        self.model = Qwen2Model(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Projection(
+                (cfg.hidden_size, cfg.vocab_size),
+                ("embed", "vocab"),
+                None,
+                None,
+                cfg=cfg,
+                rngs=rngs,
+                stack=None,
+            )
+        else:
+            self.lm_head = None
+
+    def backbone(
+        self, input_ids, attention_mask=None, position_ids=None, *, cache=None, cache_index=0
+    ):
+        """Final hidden states [B, T, D] (after the last norm), and the updated cache or None."""
+        cfg, mesh = self.config, self.mesh
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cache is None:
+            key_valid = (
+                jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+            )
+            slots = jnp.arange(t)
+            query_slots = slots
+        else:
+            s = cache.max_length
+            key_valid = (
+                jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+            )
+            slots = jnp.arange(s)
+            query_slots = cache_index + jnp.arange(t)
+        mask_bts = (slots[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]
+
+        embedding = self.model.embed_tokens.embedding.value
+        x = jnp.take(embedding, input_ids, axis=0).astype(cfg.compute_dtype)
+        x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta)
+
+        graphdef, stacked = nnx.split(self.model.layers)
+
+        def body(x, xs):
+            layer_state, k_l, v_l = xs
+            layer = nnx.merge(graphdef, layer_state)
+            x, k_l, v_l = _decoder_layer(
+                layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh
+            )
+            return x, (k_l, v_l)
+
+        if cfg.remat:
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        kv_in = (None, None) if cache is None else (cache.k, cache.v)
+        x, (k_new, v_new) = jax.lax.scan(body, x, (stacked, *kv_in))
+        x = self.model.norm(x)
+        new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
+        return x, new_cache
+
+    def lm_logits(self, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default)."""
+        cd = self.config.compute_dtype
+        if self.lm_head is None:
+            w = self.model.embed_tokens.embedding.value.astype(cd)
+            logits = jnp.einsum("BTD,VD->BTV", hidden.astype(cd), w, preferred_element_type=dtype)
+        else:
+            w = self.lm_head.kernel.value.astype(cd)
+            logits = jnp.einsum("BTD,DV->BTV", hidden.astype(cd), w, preferred_element_type=dtype)
+        return sharding.constrain(logits.astype(dtype), ("batch", "seq", "vocab"), self.mesh)
+
+    def __call__(
+        self, input_ids, attention_mask=None, position_ids=None, *, cache=None, cache_index=0
+    ):
+        hidden, new_cache = self.backbone(
+            input_ids, attention_mask, position_ids, cache=cache, cache_index=cache_index
+        )
+        logits = self.lm_logits(hidden)
+        return logits if cache is None else (logits, new_cache)

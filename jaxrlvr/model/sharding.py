@@ -1,0 +1,159 @@
+"""Device mesh and the logical-axis rules that map parameter and activation names onto it.
+
+Every parameter carries a ``logical_axes`` tuple (``embed``, ``heads``, ``mlp``, ...). One small
+rules table maps each logical name to mesh axes of the mesh ``('data', 'fsdp', 'tensor')``:
+
+- ``embed`` is sharded over ``fsdp`` (ZeRO-3 style: weights gathered per layer on use),
+- ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor`` (Megatron-style column/row split),
+- activations' ``batch`` over ``('data', 'fsdp')``.
+
+A dimension whose size is not divisible by its mesh axes is replicated rather than failing, so
+the same rules work for tiny test models and real checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical name -> mesh axis (or tuple of axes), None = replicated.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "seq": None,
+    "layers": None,
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "norm": None,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Mesh sizes per axis; one axis may be -1 for "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+        for name, s in zip(MESH_AXES, sizes):
+            if s == 0 or s < -1:
+                raise ValueError(f"mesh.{name}={s}: must be a positive integer or -1")
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(
+                    f"mesh: {num_devices} devices are not divisible by the fixed axes "
+                    f"{dict(zip(MESH_AXES, sizes))}"
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(
+                f"mesh: axes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
+                f"{num_devices} available"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all, every process)."""
+    cfg = cfg or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = cfg.resolve(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), [device or jax.devices()[0]])
+
+
+def logical_to_pspec(
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    rules: dict | None = None,
+) -> PartitionSpec:
+    """Maps logical names to a PartitionSpec; with ``shape`` and ``mesh``, non-divisible dims and
+    mesh axes already used by an earlier dimension are replicated."""
+    rules = LOGICAL_RULES if rules is None else rules
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(logical_axes):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"no sharding rule for logical axis {name!r}")
+        axes = rules[name]
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        axes = tuple(a for a in axes if a not in used)
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            if shape is not None and axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_partition_specs(params: nnx.State, mesh: Mesh | None = None) -> nnx.State:
+    """PartitionSpec per parameter, from its ``logical_axes`` metadata (a State of PartitionSpecs)."""
+
+    def spec(v):
+        axes = v.get_metadata().get("logical_axes")
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_pspec(axes, v.value.shape, mesh)
+
+    return jax.tree.map(spec, params, is_leaf=_is_variable)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedSharding per parameter (same tree structure as ``params``, Variable wrappers kept)."""
+
+    def sharding(v):
+        axes = v.get_metadata().get("logical_axes")
+        spec = PartitionSpec() if axes is None else logical_to_pspec(axes, v.value.shape, mesh)
+        return v.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(sharding, params, is_leaf=_is_variable)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Sharding of a batch-leading array: batch over ('data', 'fsdp'), the rest replicated."""
+    axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    first = None if not axes else (axes[0] if len(axes) == 1 else axes)
+    return NamedSharding(mesh, PartitionSpec(first, *([None] * (ndim - 1))))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None) -> jax.Array:
+    """Activation sharding constraint by logical names; a no-op only when no mesh is given."""
+    if mesh is None:
+        return x
+    spec = logical_to_pspec(logical_axes, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

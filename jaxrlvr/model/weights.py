@@ -1,0 +1,483 @@
+"""Hugging Face checkpoint I/O: safetensors <-> the NNX Qwen2 model, exactly.
+
+``load_hf`` reads config.json and single-file or index-sharded safetensors; every tensor is
+validated (name set, shapes) before any array is built, so a bad checkpoint fails with one line
+naming the file or tensor and nothing half-loaded. With a mesh, each parameter is assembled with
+``jax.make_array_from_callback``: a device receives only its own shard, so a model larger than one
+device never materialises whole on one device.
+
+``save_hf`` / ``hf_state_dict`` write transformers' names and layouts (the same map serves the
+vLLM weight export). The map is one table, ``_TENSORS``: HF name template, our parameter path, and
+the reshapes between HF's [out, in] matrices and our per-head einsum kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxrlvr.model import sharding
+from jaxrlvr.model.config import ConfigError, ModelConfig
+from jaxrlvr.model.qwen2 import Qwen2ForCausalLM
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Non-parameter buffers some older checkpoints carry; safe to ignore.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "qwen.tiktoken",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model it claims to be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    hf_name: str  # may contain {i} for per-layer tensors
+    path: tuple[str, ...]  # our parameter path in the NNX state
+    to_ours: Callable  # (np array in HF layout, cfg) -> our per-layer layout
+    to_hf: Callable  # (our per-layer array, cfg) -> HF layout
+    per_layer: bool = True
+    untied_only: bool = False
+
+
+def _identity(w, cfg):
+    return w
+
+
+def _transpose(w, cfg):
+    return w.T
+
+
+def _q_in(w, cfg):  # [N*H, D] -> [D, N, H]
+    return w.reshape(cfg.num_attention_heads, cfg.head_dim, -1).transpose(2, 0, 1)
+
+
+def _kv_in(w, cfg):  # [K*H, D] -> [D, K, H]
+    return w.reshape(cfg.num_key_value_heads, cfg.head_dim, -1).transpose(2, 0, 1)
+
+
+def _heads_out(w, cfg):  # [D, X, H] -> [X*H, D]
+    return w.transpose(1, 2, 0).reshape(-1, w.shape[0])
+
+
+def _qb_in(w, cfg):
+    return w.reshape(cfg.num_attention_heads, cfg.head_dim)
+
+
+def _kvb_in(w, cfg):
+    return w.reshape(cfg.num_key_value_heads, cfg.head_dim)
+
+
+def _flatten(w, cfg):
+    return w.reshape(-1)
+
+
+def _o_in(w, cfg):  # [D, N*H] -> [N, H, D]
+    return w.reshape(w.shape[0], cfg.num_attention_heads, cfg.head_dim).transpose(1, 2, 0)
+
+
+def _o_out(w, cfg):  # [N, H, D] -> [D, N*H]
+    return w.transpose(2, 0, 1).reshape(w.shape[2], -1)
+
+
+_L = "model.layers.{i}."
+_TENSORS: tuple[_Tensor, ...] = (
+    _Tensor(
+        "model.embed_tokens.weight",
+        ("model", "embed_tokens", "embedding"),
+        _identity,
+        _identity,
+        False,
+    ),
+    _Tensor("model.norm.weight", ("model", "norm", "weight"), _identity, _identity, False),
+    _Tensor(
+        "lm_head.weight", ("lm_head", "kernel"), _transpose, _transpose, False, untied_only=True
+    ),
+    _Tensor(
+        _L + "self_attn.q_proj.weight",
+        ("model", "layers", "self_attn", "q_proj", "kernel"),
+        _q_in,
+        _heads_out,
+    ),
+    _Tensor(
+        _L + "self_attn.q_proj.bias",
+        ("model", "layers", "self_attn", "q_proj", "bias"),
+        _qb_in,
+        _flatten,
+    ),
+    _Tensor(
+        _L + "self_attn.k_proj.weight",
+        ("model", "layers", "self_attn", "k_proj", "kernel"),
+        _kv_in,
+        _heads_out,
+    ),
+    _Tensor(
+        _L + "self_attn.k_proj.bias",
+        ("model", "layers", "self_attn", "k_proj", "bias"),
+        _kvb_in,
+        _flatten,
+    ),
+    _Tensor(
+        _L + "self_attn.v_proj.weight",
+        ("model", "layers", "self_attn", "v_proj", "kernel"),
+        _kv_in,
+        _heads_out,
+    ),
+    _Tensor(
+        _L + "self_attn.v_proj.bias",
+        ("model", "layers", "self_attn", "v_proj", "bias"),
+        _kvb_in,
+        _flatten,
+    ),
+    _Tensor(
+        _L + "self_attn.o_proj.weight",
+        ("model", "layers", "self_attn", "o_proj", "kernel"),
+        _o_in,
+        _o_out,
+    ),
+    _Tensor(
+        _L + "mlp.gate_proj.weight",
+        ("model", "layers", "mlp", "gate_proj", "kernel"),
+        _transpose,
+        _transpose,
+    ),
+    _Tensor(
+        _L + "mlp.up_proj.weight",
+        ("model", "layers", "mlp", "up_proj", "kernel"),
+        _transpose,
+        _transpose,
+    ),
+    _Tensor(
+        _L + "mlp.down_proj.weight",
+        ("model", "layers", "mlp", "down_proj", "kernel"),
+        _transpose,
+        _transpose,
+    ),
+    _Tensor(
+        _L + "input_layernorm.weight",
+        ("model", "layers", "input_layernorm", "weight"),
+        _identity,
+        _identity,
+    ),
+    _Tensor(
+        _L + "post_attention_layernorm.weight",
+        ("model", "layers", "post_attention_layernorm", "weight"),
+        _identity,
+        _identity,
+    ),
+)
+
+
+def _active_tensors(cfg: ModelConfig):
+    return [t for t in _TENSORS if not (t.untied_only and cfg.tie_word_embeddings)]
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor a checkpoint of ``cfg`` must hold."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = {
+        "self_attn.q_proj.weight": (n * h, d),
+        "self_attn.q_proj.bias": (n * h,),
+        "self_attn.k_proj.weight": (k * h, d),
+        "self_attn.k_proj.bias": (k * h,),
+        "self_attn.v_proj.weight": (k * h, d),
+        "self_attn.v_proj.bias": (k * h,),
+        "self_attn.o_proj.weight": (d, n * h),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_hidden_layers):
+        for name, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{name}"] = shape
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file, from the index or by scanning the files."""
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no {SAFETENSORS_INDEX}")
+    out = {}
+    for fname in files:
+        full = os.path.join(path, fname)
+        for name in _open(full).keys():
+            out[name] = full
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _open_cached(file: str, mtime: float):
+    try:
+        return safe_open(file, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+
+
+def _open(file: str):
+    if not os.path.exists(file):
+        raise CheckpointError(f"{file}: file listed in the checkpoint is missing")
+    return _open_cached(file, os.path.getmtime(file))
+
+
+def _validate(cfg: ModelConfig, files: dict[str, str]) -> None:
+    expected = expected_hf_shapes(cfg)
+    present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"unexpected tensor {unexpected[0]!r} in {files[unexpected[0]]} "
+            f"({len(unexpected)} unexpected in all)"
+        )
+    for name, shape in expected.items():
+        try:
+            found = tuple(_open(files[name]).get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
+        if found != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {files[name]} has shape {list(found)}, expected {list(shape)}"
+            )
+
+
+def _read(files, name):
+    try:
+        return _open(files[name]).get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    mesh=None,
+    remat: bool = False,
+) -> Qwen2ForCausalLM:
+    """Loads a Hugging Face Qwen2 checkpoint directory into a ``Qwen2ForCausalLM``.
+
+    Args:
+      path: directory with config.json and model.safetensors (or an index and its shards).
+      dtype: compute dtype ("float32" or "bfloat16").
+      param_dtype: storage dtype of the parameters.
+      mesh: a ('data', 'fsdp', 'tensor') mesh; parameters are placed with their rule-derived
+        shardings, each device receiving only its shard. None: the default device.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: missing config.json")
+    try:
+        cfg = ModelConfig.from_json(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    except ConfigError as e:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
+    files = _weight_files(path)
+    _validate(cfg, files)
+
+    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    graphdef, abstract_params = nnx.split(abstract)
+    if mesh is None:
+        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    storage = cfg.storage_dtype
+
+    def build(entry: _Tensor, var: nnx.Variable) -> jax.Array:
+        shape = var.value.shape
+        if mesh is None:
+            target = device_sharding
+        else:
+            target = NamedSharding(mesh, sharding.logical_to_pspec(var.logical_axes, shape, mesh))
+
+        @functools.lru_cache(maxsize=2)
+        def layer(i: int) -> np.ndarray:
+            name = entry.hf_name.format(i=i)
+            return np.asarray(entry.to_ours(_read(files, name), cfg)).astype(storage)
+
+        def callback(index):
+            if not entry.per_layer:
+                return layer(0)[index]
+            layers = range(*index[0].indices(shape[0]))
+            return np.stack([layer(i)[index[1:]] for i in layers])
+
+        return jax.make_array_from_callback(shape, target, callback)
+
+    params_by_path = {}
+    for entry in _active_tensors(cfg):
+        var = abstract_params
+        for key in entry.path:
+            var = var[key]
+        params_by_path[entry.path] = var.replace(build(entry, var))
+
+    flat = (
+        nnx.State.from_flat_path(params_by_path) if hasattr(nnx.State, "from_flat_path") else None
+    )
+    if flat is None:
+        flat = nnx.from_flat_state(params_by_path)
+    return nnx.merge(graphdef, flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def hf_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
+    """HF tensor name -> numpy array (HF layout, parameter storage dtype), one device transfer."""
+    host = jax.device_get(nnx.to_pure_dict(params))
+    out: dict[str, np.ndarray] = {}
+    for entry in _active_tensors(cfg):
+        arr = host
+        for key in entry.path:
+            arr = arr[key]
+        arr = np.asarray(arr)
+        if entry.per_layer:
+            for i in range(cfg.num_hidden_layers):
+                out[entry.hf_name.format(i=i)] = np.ascontiguousarray(entry.to_hf(arr[i], cfg))
+        else:
+            out[entry.hf_name] = np.ascontiguousarray(entry.to_hf(arr, cfg))
+    return out
+
+
+def save_state_dict(
+    tensors: dict[str, np.ndarray], path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """Writes safetensors (with an index when above ``max_shard_bytes``); returns the file names."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SAFETENSORS_FILE), metadata=meta)
+        stale = os.path.join(path, SAFETENSORS_INDEX)
+        if os.path.exists(stale):
+            os.remove(stale)
+        return [SAFETENSORS_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, os.path.join(path, fname), metadata=meta)
+        weight_map.update({k: fname for k in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def copy_tokenizer(source, path: str) -> None:
+    """Copies tokenizer files from a directory, or calls ``save_pretrained`` on a tokenizer."""
+    if hasattr(source, "save_pretrained"):
+        source.save_pretrained(path)
+        return
+    for fname in _TOKENIZER_FILES:
+        src = os.path.join(os.fspath(source), fname)
+        if os.path.exists(src):
+            shutil.copy2(src, os.path.join(path, fname))
+
+
+def save_hf(
+    model: Qwen2ForCausalLM,
+    path: str | os.PathLike,
+    *,
+    tokenizer_src=None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """Writes config.json and safetensors that ``transformers.AutoModelForCausalLM`` loads."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = model.config
+    tensors = hf_state_dict(cfg, nnx.state(model, nnx.Param))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    save_state_dict(tensors, path, max_shard_bytes=max_shard_bytes)
+    if tokenizer_src is not None:
+        copy_tokenizer(tokenizer_src, path)
+    return path
+
+
+def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalLM:
+    """A randomly initialised model; with a mesh, created directly with its shardings."""
+    if mesh is None:
+        return Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+
+    @jax.jit
+    def create():
+        model = Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh)
+        state = nnx.state(model)
+        shardings = sharding.param_shardings(state, mesh)
+        return jax.lax.with_sharding_constraint(state, shardings)
+
+    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh))
+    graphdef, _ = nnx.split(abstract)
+    return nnx.merge(graphdef, create())
+
+
+def param_count(model_or_params) -> int:
+    params = (
+        model_or_params
+        if isinstance(model_or_params, nnx.State)
+        else nnx.state(model_or_params, nnx.Param)
+    )
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+__all__ = [
+    "CheckpointError",
+    "expected_hf_shapes",
+    "hf_state_dict",
+    "init_model",
+    "load_hf",
+    "param_count",
+    "save_hf",
+    "save_state_dict",
+]
