@@ -1,0 +1,304 @@
+"""Parallel, time-bounded grading: a reusable process pool with a per-call deadline.
+
+Verifiers run sympy, which can take unbounded time or memory on adversarial answers
+(``10^{10^{10^{10}}}``). ``GradingPool`` runs each (response, truth) pair in a worker process with
+its own deadline; a worker that misses it is killed and replaced, and the pair scores zero. Grader
+exceptions also score zero. Both are counted in ``GradingStats`` and never end the run.
+
+Why processes and not threads or SIGALRM: the trainer's process holds JAX threads, signals only
+reach the main thread, and a thread stuck in sympy cannot be stopped. Workers are started with the
+``forkserver`` (default) or ``spawn`` method, never ``fork``, so they inherit none of the parent's
+JAX state. As with any such pool, a script that creates one needs an
+``if __name__ == "__main__":`` guard.
+
+The reward function is pickled to the workers with each call: it must be a module-level function
+or a ``functools.partial`` of one. Left out: retries (a timed-out pair simply scores zero).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
+
+StartMethod = Literal["forkserver", "spawn"]
+
+_ZERO = {"format_reward": 0.0, "answer_reward": 0.0, "reward": 0.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class GradingStats:
+    """What happened in one ``grade`` call.
+
+    Attributes:
+      n: number of (response, truth) pairs graded.
+      timeouts: pairs cut off at the deadline (scored zero).
+      errors: pairs whose reward function raised, returned a non-dict, or whose worker died
+        (scored zero).
+      seconds: wall-clock time of the call.
+    """
+
+    n: int
+    timeouts: int
+    errors: int
+    seconds: float
+
+    def as_metrics(self, prefix: str = "grading/") -> dict[str, float]:
+        """Flat float metrics, ready for a metrics writer."""
+        return {
+            f"{prefix}n": float(self.n),
+            f"{prefix}timeouts": float(self.timeouts),
+            f"{prefix}errors": float(self.errors),
+            f"{prefix}seconds": self.seconds,
+        }
+
+
+def _as_scores(out: Any) -> dict[str, float]:
+    if not isinstance(out, dict):
+        raise TypeError(f"reward function must return a dict, got {type(out).__name__}")
+    return {str(k): float(v) for k, v in out.items()}
+
+
+def grade_in_process(
+    reward_fn: Callable[[str, Any], dict], responses: Sequence[str], truths: Sequence[Any]
+) -> tuple[list[dict[str, float]], GradingStats]:
+    """Grade serially in this process, without any deadline (trusted inputs, benchmarks).
+
+    Exceptions still score zero and are counted; a hang hangs the caller.
+    """
+    if len(responses) != len(truths):
+        raise ValueError(f"{len(responses)} responses but {len(truths)} truths")
+    start = time.perf_counter()
+    results, errors = [], 0
+    for response, truth in zip(responses, truths, strict=True):
+        try:
+            results.append(_as_scores(reward_fn(response, truth)))
+        except Exception:
+            errors += 1
+            results.append(dict(_ZERO))
+    return results, GradingStats(len(results), 0, errors, time.perf_counter() - start)
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, memory_limit_mb: int | None) -> None:
+    """Worker loop: receive pickled (fn, response, truth), send ("ok", scores) or ("error", msg)."""
+    if memory_limit_mb is not None:
+        import resource
+
+        limit = memory_limit_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # Import and warm math-verify before announcing readiness, so that first-call parser setup
+    # does not count against a pair's deadline.
+    from jaxrlvr.rewards import math_equiv
+
+    math_equiv.is_equivalent("\\frac{1}{2}", "0.5")
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if not message:
+            return
+        try:
+            fn, response, truth = pickle.loads(message)
+            reply = ("ok", _as_scores(fn(response, truth)))
+        except BaseException as exc:  # noqa: BLE001 - a grader failure must not kill the worker
+            reply = ("error", f"{type(exc).__name__}: {str(exc)[:200]}")
+        conn.send(reply)
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: Any
+    conn: multiprocessing.connection.Connection
+    state: Literal["starting", "idle", "busy"]
+    deadline: float  # startup deadline while starting, task deadline while busy
+    task: int = -1
+
+
+class GradingPool:
+    """A reusable pool of grading processes with a per-call deadline.
+
+    Args:
+      num_workers: worker processes (>= 1).
+      timeout_s: deadline for one (response, truth) pair, counted from when a ready worker
+        receives it.
+      start_method: ``"forkserver"`` (default; replacements start fast) or ``"spawn"``.
+      memory_limit_mb: address-space limit per worker (None for no limit); a grader that exceeds
+        it raises MemoryError, which scores zero.
+      startup_timeout_s: how long a new worker may take to import the verifiers.
+
+    Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        *,
+        start_method: StartMethod = "forkserver",
+        memory_limit_mb: int | None = 4096,
+        startup_timeout_s: float = 120.0,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"GradingPool num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"GradingPool timeout_s must be > 0, got {timeout_s}")
+        if start_method not in get_args(StartMethod):
+            raise ValueError(
+                f"GradingPool start_method must be one of {get_args(StartMethod)}, "
+                f"got {start_method!r}"
+            )
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.memory_limit_mb = memory_limit_mb
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._ctx = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # Only takes effect if this process's fork server has not started yet.
+            self._ctx.set_forkserver_preload(["jaxrlvr.rewards.verifiers"])
+        self._closed = False
+        self.workers_started = 0
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+
+    # -- worker lifecycle ------------------------------------------------------------------------
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main,
+            args=(child_conn, self.memory_limit_mb),
+            daemon=True,
+            name="jaxrlvr-grader",
+        )
+        process.start()
+        child_conn.close()
+        self.workers_started += 1
+        return _Worker(process, parent_conn, "starting", time.monotonic() + self.startup_timeout_s)
+
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(timeout=10)
+        worker.conn.close()
+
+    def _replace(self, index: int) -> None:
+        self._kill(self._workers[index])
+        self._workers[index] = self._start_worker()
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def grade(
+        self,
+        reward_fn: Callable[[str, Any], dict],
+        responses: Sequence[str],
+        truths: Sequence[Any],
+    ) -> tuple[list[dict[str, float]], GradingStats]:
+        """Grade ``reward_fn(responses[i], truths[i])`` for every i, in parallel.
+
+        Returns:
+          (scores, stats): ``scores[i]`` is the reward function's dict for pair i, or all zeros
+          (``format_reward``, ``answer_reward``, ``reward``) when it timed out or failed.
+        """
+        if self._closed:
+            raise RuntimeError("GradingPool is closed")
+        if len(responses) != len(truths):
+            raise ValueError(f"{len(responses)} responses but {len(truths)} truths")
+        try:
+            pickle.dumps(reward_fn)
+        except Exception as exc:
+            raise TypeError(
+                "reward_fn must be picklable (a module-level function or functools.partial)"
+            ) from exc
+        start = time.perf_counter()
+        pending = collections.deque(range(len(responses)))
+        results: list[dict[str, float] | None] = [None] * len(responses)
+        timeouts = errors = 0
+
+        while pending or any(w.state == "busy" for w in self._workers):
+            now = time.monotonic()
+            for index, worker in enumerate(self._workers):
+                if worker.state == "idle" and pending:
+                    i = pending.popleft()
+                    try:
+                        worker.conn.send_bytes(pickle.dumps((reward_fn, responses[i], truths[i])))
+                    except OSError:
+                        # The worker died while idle: replace it and retry the pair later.
+                        pending.appendleft(i)
+                        self._replace(index)
+                        continue
+                    worker.state, worker.task, worker.deadline = "busy", i, now + self.timeout_s
+            waiting = [w for w in self._workers if w.state != "idle"]
+            next_deadline = min(w.deadline for w in waiting)
+            ready = multiprocessing.connection.wait(
+                [w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic())
+            )
+            for index, worker in enumerate(self._workers):
+                if worker.conn not in ready:
+                    continue
+                try:
+                    kind, payload = worker.conn.recv()
+                except (EOFError, OSError):
+                    # The worker died (e.g. killed by the OS): its pair scores zero.
+                    if worker.state == "starting":
+                        code = worker.process.exitcode
+                        self._kill(worker)
+                        raise RuntimeError(
+                            f"grading worker exited during startup ({code})"
+                        ) from None
+                    errors += 1
+                    results[worker.task] = dict(_ZERO)
+                    self._replace(index)
+                    continue
+                if kind == "ready":
+                    worker.state = "idle"
+                    continue
+                if kind == "ok":
+                    results[worker.task] = payload
+                else:
+                    errors += 1
+                    results[worker.task] = dict(_ZERO)
+                worker.state = "idle"
+            now = time.monotonic()
+            for index, worker in enumerate(self._workers):
+                if worker.state == "busy" and now >= worker.deadline:
+                    timeouts += 1
+                    results[worker.task] = dict(_ZERO)
+                    self._replace(index)
+                elif worker.state == "starting" and now >= worker.deadline:
+                    self._kill(worker)
+                    raise RuntimeError(
+                        f"grading worker did not start within {self.startup_timeout_s} s"
+                    )
+
+        scores = [r if r is not None else dict(_ZERO) for r in results]
+        stats = GradingStats(len(scores), timeouts, errors, time.perf_counter() - start)
+        return scores, stats
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                if worker.state == "idle":
+                    worker.conn.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._kill(worker)
+
+    def __enter__(self) -> GradingPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
