@@ -224,6 +224,7 @@ def generate_with_thinking_budget(
     )
     check_prompt_major(first, len(prompts), n)
     forced_ids = list(tokenizer.encode(params.thinking_end_text, add_special_tokens=False))
+    close_ids = list(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
 
     out: list[Completion | None] = [None] * len(first)
     # remaining-token count -> list of (slot, prefix ids, forced ids) continued with that budget.
@@ -232,7 +233,7 @@ def generate_with_thinking_budget(
         if c.finish_reason == "stop" or len(c.token_ids) < budget:
             out[slot] = c
             continue
-        add = [] if THINK_CLOSE in c.text else forced_ids
+        add = [] if thinking_closed(c, close_ids) else forced_ids
         room = params.max_tokens - len(c.token_ids)
         if len(add) >= room:
             add = add[:room]
@@ -258,12 +259,22 @@ def generate_with_thinking_budget(
     return out  # type: ignore[return-value]
 
 
+def thinking_closed(c: Completion, close_ids: Sequence[int]) -> bool:
+    """Whether `c` has closed its thinking block: in its text or, when ``</think>`` is a special
+    token that detokenisation drops, in its token ids."""
+    if THINK_CLOSE in c.text:
+        return True
+    k = len(close_ids)
+    ids = c.token_ids
+    return k > 0 and any(list(ids[i : i + k]) == list(close_ids) for i in range(len(ids) - k + 1))
+
+
 def _join(
     head: Completion, forced_ids: list[int], tail: Completion | None, tokenizer: Any, logprobs: bool
 ) -> Completion:
     """Concatenates head + forced tokens + tail into one completion of head's prompt."""
     tail_ids = tail.token_ids if tail is not None else []
-    forced_text = tokenizer.decode(forced_ids) if forced_ids else ""
+    forced_text = tokenizer.decode(forced_ids, skip_special_tokens=False) if forced_ids else ""
     return Completion(
         prompt_index=head.prompt_index,
         token_ids=head.token_ids + forced_ids + tail_ids,

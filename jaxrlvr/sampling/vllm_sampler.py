@@ -1,0 +1,467 @@
+"""`VLLMSampler`: rollouts from one or more vLLM servers over HTTP, with per-step weight sync.
+
+Generation: one ``/v1/completions`` request per prompt (token-id prompt, ``n`` samples,
+``logprobs=0`` for the sampled token's logprob, ``return_token_ids``), sent concurrently from a
+thread pool and spread round-robin over the server URLs (data-parallel rollout servers). vLLM
+batches concurrent requests itself. Results come back flat and prompt-major; a request that fails
+is retried with exponential backoff (on the next URL), and if any request still fails the whole
+call raises: a partial batch never reaches training.
+
+Logprobs: servers started by `VLLMServer` run with ``--logprobs-mode processed_logprobs``, so each
+returned logprob is that of the distribution vLLM sampled from (after temperature / top-k /
+top-p), which is what truncated importance sampling needs. A server started by hand without that
+flag returns pre-temperature logprobs; they are only equal at temperature 1 without top-k/top-p.
+
+Weight sync (`update_weights`), the disk route that works everywhere: export the NNX params as
+HF-named safetensors (same names as `save_hf`) to a tmpfs directory, then on every server
+``POST /pause?mode=wait`` -> ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+{"weights_path": DIR}}`` -> ``POST /reset_prefix_cache`` (without it, cached prompts keep their
+old-weight KV blocks) -> ``POST /update_weight_version`` -> ``POST /resume``, and confirm with
+``GET /weight_info`` that the server reports the new version. The GPU fast path, vLLM's NCCL
+weight-transfer routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, server started with ``--weight-transfer-config``),
+would sit behind the same method (`weight_transfer="nccl"`); it is not implemented on CPU.
+
+Dead servers: if a server that jaxrlvr started (a `VLLMServer`) dies, it is restarted on the
+latest exported weights and the failed requests are retried; with ``restart_dead_servers=False``
+the call raises a one-line error instead.
+
+Forced tokens of the thinking budget carry logprob 0.0 and ``Completion.forced`` True; the trainer
+should mask them out of the loss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
+
+import httpx
+import numpy as np
+
+from jaxrlvr.sampling import base, vllm_server, weight_export
+
+WeightTransfer = Literal["disk", "nccl"]
+_WEIGHT_TRANSFERS = get_args(WeightTransfer)
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server could not serve a request (unreachable, not in dev mode, died, rejected)."""
+
+
+class _Retryable(Exception):
+    """A failure worth retrying (transport error, 5xx, aborted request)."""
+
+
+@dataclasses.dataclass
+class _Target:
+    url: str
+    server: vllm_server.VLLMServer | None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def completion_request(
+    model: str, prompt: Sequence[int], n: int, params: base.SamplingParams, seed: int | None
+) -> dict[str, Any]:
+    """The JSON body of one ``/v1/completions`` request for a token-id prompt."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [int(t) for t in prompt],
+        "n": n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        # vLLM: 0 (or -1) disables top-k, the same convention as SamplingParams.
+        "top_k": params.top_k,
+        "stop_token_ids": list(params.stop_token_ids),
+        "stop": list(params.stop),
+        "ignore_eos": params.ignore_eos,
+        "return_token_ids": True,
+        # The prompt is already tokenised: never let the server add BOS or other special tokens.
+        "add_special_tokens": False,
+    }
+    if params.logprobs:
+        body["logprobs"] = 0  # only the sampled token's logprob
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def parse_completion_response(
+    body: Mapping[str, Any], prompt_index: int, n: int, want_logprobs: bool
+) -> list[base.Completion]:
+    """Turns one ``/v1/completions`` response for a single prompt into `n` completions.
+
+    Raises:
+      _Retryable: when vLLM aborted a choice (e.g. a pause in abort mode).
+      VLLMError: when the response is malformed (missing token ids, wrong count).
+    """
+    choices = sorted(body.get("choices", []), key=lambda c: c["index"])
+    if [c["index"] for c in choices] != list(range(n)):
+        raise VLLMError(
+            f"vLLM returned choices {[c['index'] for c in choices]} for a request with n={n}"
+        )
+    out = []
+    for c in choices:
+        reason = c.get("finish_reason")
+        if reason == "abort":
+            raise _Retryable("vLLM aborted the request")
+        if reason not in base.FINISH_REASONS:
+            raise VLLMError(f"vLLM returned finish_reason={reason!r}, expected stop or length")
+        ids = c.get("token_ids")
+        if ids is None:
+            raise VLLMError("vLLM response has no token_ids (server too old for return_token_ids?)")
+        logprobs: list[float] = []
+        if want_logprobs:
+            lp = (c.get("logprobs") or {}).get("token_logprobs")
+            if lp is None or len(lp) != len(ids):
+                got = None if lp is None else len(lp)
+                raise VLLMError(f"vLLM returned {got} logprobs for {len(ids)} tokens")
+            logprobs = [float(x) for x in np.asarray(lp, dtype=np.float32)]
+        out.append(
+            base.Completion(
+                prompt_index=prompt_index,
+                token_ids=[int(t) for t in ids],
+                logprobs=logprobs,
+                text=c.get("text", ""),
+                finish_reason=reason,
+            )
+        )
+    return out
+
+
+class VLLMSampler:
+    """Sampler backed by vLLM servers; see the module docstring for the protocol.
+
+    Args:
+      cfg: `jaxrlvr.model.config.ModelConfig` of the policy (used to export weights).
+      servers: one or more server URLs (``http://host:port``) or `VLLMServer` objects; only the
+        latter can be restarted when they die.
+      tokenizer: a Hugging Face tokenizer or a directory to load one from; only needed for the
+        thinking budget (defaults to the first `VLLMServer`'s tokenizer directory).
+      timeout_s: per-request HTTP timeout.
+      max_retries: retries per request after the first attempt.
+      backoff_s: first retry delay; doubles on every retry.
+      restart_dead_servers: restart a dead `VLLMServer` on the latest weights and retry; when
+        False, a dead server makes `generate` raise.
+      export_dir: where weights are exported (default: a fresh directory under /dev/shm, removed
+        by `close`).
+      max_concurrency: most HTTP requests in flight.
+      weight_transfer: "disk" (safetensors + reload_weights; works everywhere) or "nccl" (vLLM's
+        GPU weight-transfer engine; not implemented in this build).
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        servers: str | vllm_server.VLLMServer | Sequence[str | vllm_server.VLLMServer],
+        tokenizer: Any = None,
+        *,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        restart_dead_servers: bool = True,
+        export_dir: str | os.PathLike | None = None,
+        max_concurrency: int = 64,
+        weight_transfer: WeightTransfer = "disk",
+    ):
+        if weight_transfer not in _WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"weight_transfer={weight_transfer!r}: expected one of {_WEIGHT_TRANSFERS}"
+            )
+        if weight_transfer == "nccl":
+            raise NotImplementedError(
+                "weight_transfer='nccl' (vLLM's NCCL weight-transfer engine, GPU only) is not "
+                "implemented; use weight_transfer='disk'"
+            )
+        if max_retries < 0 or backoff_s < 0 or timeout_s <= 0 or max_concurrency < 1:
+            raise ValueError(
+                "need max_retries >= 0, backoff_s >= 0, timeout_s > 0, max_concurrency >= 1; got "
+                f"{max_retries}, {backoff_s}, {timeout_s}, {max_concurrency}"
+            )
+        if isinstance(servers, str | vllm_server.VLLMServer):
+            servers = [servers]
+        if not servers:
+            raise ValueError("servers: need at least one URL or VLLMServer")
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.restart_dead_servers = restart_dead_servers
+        self.weight_transfer = weight_transfer
+        self._targets = [
+            _Target(url=s.url, server=s)
+            if isinstance(s, vllm_server.VLLMServer)
+            else _Target(url=str(s).rstrip("/"), server=None)
+            for s in servers
+        ]
+        self._tokenizer = tokenizer
+        self._own_export_dir = export_dir is None
+        self.export_dir = os.fspath(export_dir) if export_dir is not None else None
+        self._exported = False
+        self.version = 0
+        self._rr = 0
+        self._client = httpx.Client(
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=64),
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_concurrency, thread_name_prefix="vllm-sampler"
+        )
+        self.model_names = [self._check_target(t) for t in self._targets]
+
+    # ---------------------------------------------------------------- construction checks
+
+    def _check_target(self, t: _Target) -> str:
+        if t.server is not None and not t.server.alive():
+            t.server.start()
+        try:
+            models = self._client.get(t.url + "/v1/models", timeout=10.0)
+            paused = self._client.get(t.url + "/is_paused", timeout=10.0)
+        except httpx.TransportError as e:
+            raise VLLMError(
+                f"cannot reach vLLM server at {t.url} ({type(e).__name__}: {e}); is it running? "
+                "Start one with `jaxrlvr serve-vllm --model DIR`"
+            ) from None
+        if models.status_code != 200:
+            raise VLLMError(
+                f"{t.url} does not look like a vLLM OpenAI server: GET /v1/models -> "
+                f"HTTP {models.status_code}"
+            )
+        if paused.status_code == 404:
+            raise VLLMError(
+                f"vLLM server at {t.url} is not in dev mode (no /is_paused endpoint), so weights "
+                "cannot be reloaded; start it with env VLLM_SERVER_DEV_MODE=1 "
+                "(`jaxrlvr serve-vllm` does)"
+            )
+        data = models.json().get("data") or []
+        if not data:
+            raise VLLMError(f"vLLM server at {t.url} serves no model")
+        return data[0]["id"]
+
+    @property
+    def urls(self) -> list[str]:
+        return [t.url for t in self._targets]
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None or isinstance(self._tokenizer, str | os.PathLike):
+            path = self._tokenizer
+            if path is None:
+                owned = [t.server for t in self._targets if t.server is not None]
+                if not owned:
+                    raise ValueError("VLLMSampler needs a tokenizer for the thinking budget")
+                path = owned[0].tokenizer
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(path))
+        return self._tokenizer
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams
+    ) -> list[base.Completion]:
+        """`n` completions per prompt, flat and prompt-major; raises rather than return fewer."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if params.thinking_budget is not None:
+            return base.generate_with_thinking_budget(
+                self._generate_plain, prompt_token_ids, n, params, self.tokenizer
+            )
+        return self._generate_plain(prompt_token_ids, n, params)
+
+    def _generate_plain(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams
+    ) -> list[base.Completion]:
+        prompts = [list(p) for p in prompt_token_ids]
+        start = self._rr
+        self._rr = (self._rr + len(prompts)) % len(self._targets)
+        futures = []
+        for i, prompt in enumerate(prompts):
+            # Distinct seeds per prompt keep a seeded batch reproducible without reusing one
+            # random stream for every prompt.
+            seed = None if params.seed is None else params.seed + i
+            futures.append(
+                self._pool.submit(self._complete_one, i, prompt, n, params, seed, start + i)
+            )
+        try:
+            groups = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        out = [c for g in groups for c in g]
+        base.check_prompt_major(out, len(prompts), n)
+        return out
+
+    def _complete_one(
+        self,
+        prompt_index: int,
+        prompt: list[int],
+        n: int,
+        params: base.SamplingParams,
+        seed: int | None,
+        slot: int,
+    ) -> list[base.Completion]:
+        last: Exception | None = None
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            t = self._targets[(slot + attempt) % len(self._targets)]
+            model = self.model_names[self._targets.index(t)]
+            body = completion_request(model, prompt, n, params, seed)
+            try:
+                r = self._client.post(t.url + "/v1/completions", json=body)
+                if r.status_code >= 500:
+                    raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
+                if r.status_code != 200:
+                    raise VLLMError(
+                        f"vLLM server at {t.url} rejected a completion request: "
+                        f"HTTP {r.status_code}: {r.text[:500]}"
+                    )
+                return parse_completion_response(r.json(), prompt_index, n, params.logprobs)
+            except (httpx.TransportError, _Retryable) as e:
+                last = e
+                self._recover(t)
+                if attempt + 1 < attempts:
+                    time.sleep(self.backoff_s * 2**attempt)
+        raise VLLMError(
+            f"vLLM completion for prompt {prompt_index} failed after {attempts} attempts "
+            f"(servers {self.urls}): {type(last).__name__}: {last}"
+        )
+
+    def _healthy(self, t: _Target) -> bool:
+        try:
+            return self._client.get(t.url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _recover(self, t: _Target) -> None:
+        """After a failed request: restart `t` if it is ours and dead (raise if not allowed)."""
+        if t.server is None:
+            return
+        with t.lock:
+            dead = not t.server.alive()
+            if not dead and not self._healthy(t):
+                # A crashed engine leaves the API process up but unhealthy for a moment.
+                time.sleep(1.0)
+                dead = not t.server.alive() or not self._healthy(t)
+            if not dead:
+                return
+            if not self.restart_dead_servers:
+                raise VLLMError(
+                    f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
+                    f"restart_dead_servers=False; no partial batch is returned. Log: "
+                    f"{t.server.log_path}"
+                )
+            t.server.restart(self.export_dir if self._exported else None)
+            if self.version:
+                self._post(t, "/update_weight_version", json={"new_version": str(self.version)})
+
+    # ---------------------------------------------------------------- weight sync
+
+    def _post(self, t: _Target, path: str, **kw) -> httpx.Response:
+        r = self._client.post(t.url + path, **kw)
+        if r.status_code != 200:
+            raise VLLMError(f"POST {t.url}{path} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r
+
+    def update_weights(self, params: Any, *, version: int | None = None) -> dict[str, float]:
+        """Exports `params` and makes every server serve them; returns timings in seconds.
+
+        Keys: export_s, pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for each
+        part), total_s. Raises `VLLMError` if a server fails or does not report the new version.
+        """
+        version = self.version + 1 if version is None else int(version)
+        t0 = time.perf_counter()
+        if self.export_dir is None:
+            self.export_dir = weight_export.default_export_dir()
+        timings = weight_export.export_weights(self.cfg, params, self.export_dir)
+        self._exported = True
+        parts = list(self._pool.map(lambda t: self._reload_one(t, version), self._targets))
+        self.version = version
+        out = {"export_s": timings["export_s"]}
+        for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):
+            out[key] = max(p[key] for p in parts)
+        out["total_s"] = time.perf_counter() - t0
+        return out
+
+    def _reload_one(self, t: _Target, version: int) -> dict[str, float]:
+        with t.lock:
+            if t.server is not None and not t.server.alive():
+                if not self.restart_dead_servers:
+                    raise VLLMError(
+                        f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
+                        "restart_dead_servers=False"
+                    )
+                t.server.restart(self.export_dir)  # starts directly on the new weights
+            times = {}
+            t0 = time.perf_counter()
+            self._post(t, "/pause", params={"mode": "wait"})
+            t1 = time.perf_counter()
+            self._post(
+                t,
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": self.export_dir}},
+            )
+            t2 = time.perf_counter()
+            for _ in range(20):
+                if self._post(t, "/reset_prefix_cache").json().get("success", False):
+                    break
+                time.sleep(0.05)
+            else:
+                raise VLLMError(f"vLLM server at {t.url} kept refusing to reset its prefix cache")
+            self._post(t, "/update_weight_version", json={"new_version": str(version)})
+            t3 = time.perf_counter()
+            self._post(t, "/resume")
+            t4 = time.perf_counter()
+            r = self._client.get(t.url + "/weight_info")
+            live = r.json().get("weight_version") if r.status_code == 200 else None
+            if live != str(version):
+                raise VLLMError(
+                    f"vLLM server at {t.url} reports weight version {live!r} after reload, "
+                    f"expected {str(version)!r}"
+                )
+            t5 = time.perf_counter()
+            times.update(
+                pause_s=t1 - t0,
+                reload_s=t2 - t1,
+                reset_s=t3 - t2,
+                resume_s=t4 - t3,
+                confirm_s=t5 - t4,
+            )
+            return times
+
+    def live_versions(self) -> list[str | None]:
+        """The weight version each server reports (``GET /weight_info``)."""
+        out = []
+        for t in self._targets:
+            try:
+                out.append(self._client.get(t.url + "/weight_info").json().get("weight_version"))
+            except (httpx.HTTPError, ValueError):
+                out.append(None)
+        return out
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stops the thread pool and HTTP client and removes an export dir it created.
+
+        Servers passed in are left running: their owner stops them.
+        """
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+        if self._own_export_dir and self.export_dir and os.path.isdir(self.export_dir):
+            shutil.rmtree(self.export_dir, ignore_errors=True)
+            self.export_dir = None
+
+    def __enter__(self) -> VLLMSampler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,308 @@
+"""Starts and supervises a vLLM OpenAI-compatible server for rollouts.
+
+`VLLMServer` runs ``python -m vllm.entrypoints.openai.api_server`` as a child process (optionally
+from a different Python environment, since vLLM pins its own torch and transformers), with the
+flags that per-step weight reload needs:
+
+- env ``VLLM_SERVER_DEV_MODE=1``: enables ``/pause``, ``/resume``, ``/collective_rpc`` (used for
+  ``reload_weights``), ``/reset_prefix_cache`` and ``/update_weight_version``. These endpoints run
+  methods on the workers, so the server binds to 127.0.0.1 unless the user asks otherwise; never
+  expose a dev-mode server on a shared network.
+- ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution that was
+  sampled from (after temperature, top-k, top-p), which is what importance ratios need; vLLM's
+  default (``raw_logprobs``) returns pre-temperature values.
+- ``--enforce-eager`` and ``--dtype float32`` (the CPU build; float32 logprobs match the trainer's).
+
+`serve_vllm_main(argv)` is the body of ``jaxrlvr serve-vllm``. Not here: the HTTP client and weight
+sync (`vllm_sampler`), and installing vLLM (``scripts/setup_vllm.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import httpx
+
+DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
+SERVED_MODEL_NAME = "jaxrlvr-policy"
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS may hand it out again; good enough here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str, lines: int = 40) -> str:
+    """Last `lines` lines of a log file ('' when it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(collections.deque(f, maxlen=lines))
+    except OSError:
+        return ""
+
+
+class VLLMServer:
+    """A vLLM server child process on one model directory.
+
+    Args:
+      model_dir: a Hugging Face model directory (config.json, safetensors, tokenizer files).
+      python: interpreter of the environment where vLLM is installed (defaults to env
+        ``JAXRLVR_VLLM_PYTHON``, else this interpreter).
+      host: bind address; 127.0.0.1 by default because dev mode exposes worker RPC.
+      port: TCP port; 0 picks a free one.
+      max_model_len: longest prompt + completion the server accepts.
+      dtype: model dtype on the server.
+      kv_cache_bytes: KV-cache size (``--kv-cache-memory-bytes``).
+      tokenizer: tokenizer directory; defaults to `model_dir`, and is kept across `restart` so
+        that a restart can point `model_dir` at a weights-only export.
+      extra_args: more command-line flags for the api_server.
+      log_path: where the server's stdout/stderr go (a temp file by default).
+      startup_timeout_s: how long `start` waits for ``/health``.
+      start: start the process at construction.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: int = 512,
+        dtype: str = "float32",
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        tokenizer: str | os.PathLike | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 300.0,
+        start: bool = True,
+    ):
+        self.model_dir = os.fspath(model_dir)
+        self.python = python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable
+        self.host = host
+        self.port = port or pick_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_bytes = kv_cache_bytes
+        self.tokenizer = os.fspath(tokenizer) if tokenizer is not None else self.model_dir
+        self.extra_args = tuple(extra_args)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="jaxrlvr-vllm-", suffix=".log")
+            os.close(fd)
+        self.log_path = os.fspath(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        if start:
+            self.start()
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--tokenizer",
+            self.tokenizer,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--enforce-eager",
+            "--logprobs-mode",
+            "processed_logprobs",
+            *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # JAX's fake-device flags and platform pins mean nothing to vLLM's torch; drop them.
+        env.pop("XLA_FLAGS", None)
+        env.update(
+            VLLM_TARGET_DEVICE=env.get("VLLM_TARGET_DEVICE", "cpu"),
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_HOST_IP=env.get("VLLM_HOST_IP", "127.0.0.1"),
+            HF_HUB_OFFLINE="1",
+        )
+        return env
+
+    def start(self) -> None:
+        """Launches the process and blocks until ``/health`` answers 200."""
+        if self.alive():
+            return
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== jaxrlvr: starting {' '.join(self.command())}\n".encode())
+            log.flush()
+            # A new session makes the server the leader of its own process group, so that stop()
+            # also reaches the EngineCore child it spawns.
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise RuntimeError(
+                        f"vLLM server exited with code {code} during start-up "
+                        f"(command: {' '.join(self.command())}); log {self.log_path} ends with:\n"
+                        f"{log_tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(
+                        f"vLLM server at {self.url} not ready after {self.startup_timeout_s:.0f} s;"
+                        " "
+                        f"log {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                    )
+                time.sleep(0.5)
+
+    def alive(self) -> bool:
+        """True while the server process runs (says nothing about readiness)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminates the server's process group: SIGTERM, then SIGKILL after `timeout_s`."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(proc, signal.SIGKILL)
+                proc.wait(timeout=timeout_s)
+        # The EngineCore child can outlive a leader that died first; sweep the group.
+        self._signal_group(proc, signal.SIGKILL)
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        """Kills the server abruptly (SIGKILL to its process group), as a crash would."""
+        if self._proc is not None:
+            self._signal_group(self._proc, signal.SIGKILL)
+            self._proc.wait()
+
+    def restart(self, model_dir: str | os.PathLike | None = None) -> None:
+        """Stops the server (if running) and starts it again, on `model_dir` when given."""
+        self.stop()
+        if model_dir is not None:
+            self.model_dir = os.fspath(model_dir)
+        self.restarts += 1
+        self.start()
+
+    def __enter__(self) -> VLLMServer:
+        if not self.alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):
+        try:
+            self.stop(timeout_s=5.0)
+        except Exception:
+            pass
+
+
+def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
+    """``jaxrlvr serve-vllm --model DIR [--python PATH] [--port N] [--host H]``.
+
+    Blocks until Ctrl-C (returns 0) or until the server dies (returns 1).
+    """
+    parser = argparse.ArgumentParser(
+        prog="jaxrlvr serve-vllm",
+        description="Start vLLM's OpenAI-compatible server with the flags jaxrlvr's weight sync "
+        "needs (dev mode, processed logprobs). Dev mode exposes worker RPC: keep the default "
+        "host 127.0.0.1 unless the network is trusted.",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="interpreter of the vLLM environment (default: $JAXRLVR_VLLM_PYTHON or this one)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
+    parser.add_argument("--log", default=None, help="server log file (default: a temp file)")
+    args, extra = parser.parse_known_args(argv)
+    print(f"jaxrlvr serve-vllm: starting vLLM for {args.model} ...", flush=True)
+    server = VLLMServer(
+        args.model,
+        python=args.python,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        extra_args=extra,
+        log_path=args.log,
+    )
+    print(f"jaxrlvr serve-vllm: ready at {server.url} (log {server.log_path})", flush=True)
+    try:
+        while server.alive():
+            time.sleep(1.0)
+        print(
+            f"jaxrlvr serve-vllm: server exited with code {server.returncode()}; log ends with:\n"
+            f"{log_tail(server.log_path)}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
