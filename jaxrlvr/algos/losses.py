@@ -68,8 +68,8 @@ def masked_normalize(
 def compute_entropy(logits: jax.Array) -> jax.Array:
     """Entropy in nats of softmax(logits) over the last axis, in float32.
 
-    H = logsumexp(z) - sum_v softmax(z)_v * z_v, computed from the log-sum-exp so that large
-    logits do not overflow. (Shannon entropy; used as the entropy bonus/metric in PPO, Schulman
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, computed on z - max(z) so that large logits
+    neither overflow nor cancel. (Shannon entropy; used as the entropy bonus/metric in PPO, Schulman
     et al. 2017.)
 
     Args:
@@ -77,10 +77,13 @@ def compute_entropy(logits: jax.Array) -> jax.Array:
     """
     loss_config.expect_array(logits, "logits", rank={1, 2, 3, 4}, kind="float")
     z = logits.astype(_f32)
-    lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    p = jnp.exp(z - lse)
-    # sum p*z is bounded by max z; subtracting from lse avoids materialising log_softmax.
-    return lse[..., 0] - jnp.sum(p * z, axis=-1)
+    # Shift by the max first: lse and sum(p * z) are then O(log V) and their difference does not
+    # cancel catastrophically for large logits.
+    zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse = jax.nn.logsumexp(zs, axis=-1, keepdims=True)
+    p = jnp.exp(zs - lse)
+    # where(): a -inf logit has p = 0 and contributes 0 (not 0 * -inf = NaN).
+    return lse[..., 0] - jnp.sum(jnp.where(p > 0, p * zs, 0.0), axis=-1)
 
 
 def get_response_log_probs(
