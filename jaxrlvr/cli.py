@@ -1,0 +1,133 @@
+"""The ``jaxrlvr`` command line: train, sft, eval, plot, export, bench, serve-vllm.
+
+Each sub-command parses its own flags and hands over to the module that does the work; errors a
+user can fix (a bad config key, a missing file) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards")
+
+
+def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=help_text)
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=10")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    return p
+
+
+def _cmd_train(argv, *, sft_only=False):
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import train
+
+    name = "jaxrlvr sft" if sft_only else "jaxrlvr train"
+    args = _train_parser(name, "Run a training job from a YAML config.").parse_args(argv)
+    overrides = list(args.overrides)
+    if sft_only:
+        overrides.append("rl.algo=none")
+    cfg = config_lib.load_config(args.config, overrides)
+    summary = train.run(cfg, resume=args.resume)
+    return 0 if summary is not None else 1
+
+
+def _cmd_eval(argv):
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import train
+
+    p = argparse.ArgumentParser(prog="jaxrlvr eval", description="Evaluate a model or checkpoint.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
+    args = p.parse_args(argv)
+    cfg = config_lib.load_config(args.config, args.overrides)
+    result = train.evaluate_only(cfg, run_dir=args.checkpoint)
+    for key, value in sorted(result.items()):
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
+def _cmd_export(argv):
+    from jaxrlvr import train
+
+    p = argparse.ArgumentParser(
+        prog="jaxrlvr export", description="Write a checkpoint as a Hugging Face model folder."
+    )
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    args = p.parse_args(argv)
+    path = train.export_checkpoint(args.run_dir, args.out_dir, step=args.step)
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_plot(argv):
+    from jaxrlvr import plots
+
+    return plots.plot_main(argv) or 0
+
+
+def _cmd_bench(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: jaxrlvr bench {{{','.join(BENCHMARKS)}}} [--json PATH] [options]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        raise SystemExit(f"jaxrlvr bench: unknown benchmark {name!r} (choose from {BENCHMARKS})")
+    module = importlib.import_module(f"jaxrlvr.bench.{name}")
+    return module.main(rest) or 0
+
+
+def _cmd_serve_vllm(argv):
+    from jaxrlvr.sampling import vllm_server
+
+    return vllm_server.serve_vllm_main(argv) or 0
+
+
+COMMANDS = {
+    "train": _cmd_train,
+    "sft": lambda argv: _cmd_train(argv, sft_only=True),
+    "eval": _cmd_eval,
+    "plot": _cmd_plot,
+    "export": _cmd_export,
+    "bench": _cmd_bench,
+    "serve-vllm": _cmd_serve_vllm,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxrlvr {" + ",".join(COMMANDS) + "} ...")
+        print("  train CONFIG [key=value ...] [--resume]   RL (and SFT warm start) from a config")
+        print("  sft CONFIG [key=value ...]                supervised fine-tuning only")
+        print("  eval CONFIG [--checkpoint RUN_DIR]        held-out accuracy")
+        print("  plot RUN_DIR [RUN_DIR ...] [--out DIR]    PNG curves, runs overlaid")
+        print("  export RUN_DIR OUT_DIR [--step N]         checkpoint -> Hugging Face folder")
+        print("  bench NAME [--json PATH]                  " + "|".join(BENCHMARKS))
+        print("  serve-vllm --model DIR [--python PATH]    start a vLLM server for rollouts")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"jaxrlvr: unknown command {command!r} (choose from {', '.join(COMMANDS)})")
+        return 2
+    from jaxrlvr import configlib
+
+    try:
+        return COMMANDS[command](rest)
+    except configlib.ConfigKeyError as e:
+        print(f"jaxrlvr {command}: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"jaxrlvr {command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
