@@ -20,6 +20,7 @@ sync (`vllm_sampler`), and installing vLLM (``scripts/setup_vllm.sh``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import os
 import signal
@@ -28,12 +29,27 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 
 import httpx
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
 SERVED_MODEL_NAME = "jaxrlvr-policy"
+
+# Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
+# also means they outlive an interpreter that exits without stopping them; stop them at exit.
+# (A SIGKILLed parent still leaves them behind.)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop(timeout_s=10.0)
+        except Exception:
+            pass
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -171,6 +187,7 @@ class VLLMServer:
                 env=self.environment(),
                 start_new_session=True,
             )
+        _LIVE.add(self)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -280,6 +297,8 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
     parser.add_argument("--log", default=None, help="server log file (default: a temp file)")
     args, extra = parser.parse_known_args(argv)
+    # `kill PID` should stop the server too, not only Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"jaxrlvr serve-vllm: starting vLLM for {args.model} ...", flush=True)
     server = VLLMServer(
         args.model,

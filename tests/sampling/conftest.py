@@ -5,9 +5,9 @@ vLLM tests (marker ``vllm``) need a Python environment with vLLM installed
 locally; in CI (env ``CI`` set) they fail instead, so a broken vLLM setup cannot pass silently.
 """
 
-import json
 import os
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -80,3 +80,134 @@ def make_hf_checkpoint(directory: pathlib.Path, seed: int = 0):
     model.save_pretrained(directory, safe_serialization=True)
     tok = make_tokenizer(directory)
     return model, tok
+
+
+# ------------------------------------------------------------------------------------------------
+# jaxrlvr tiny model and reference log-probs
+
+
+def tiny_model_config():
+    from jaxrlvr import model as jmodel
+
+    return jmodel.ModelConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,  # head_dim 32: the smallest head size vLLM's CPU attention supports
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+
+
+def random_params(cfg, seed: int):
+    """(graphdef, params) of a jaxrlvr Qwen2 whose every tensor (biases and norms included) is
+    randomised, with weights large enough that next-token distributions are far from uniform."""
+    import jax
+    from flax import nnx
+
+    from jaxrlvr import model as jmodel
+
+    graphdef, params = nnx.split(jmodel.init_model(cfg, seed=seed), nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1000), len(leaves))
+    new = []
+    for k, x in zip(keys, leaves, strict=True):
+        # Kernels/embeddings: std 0.2; biases and norm scales: +-0.1 around their init.
+        std = 0.2 if x.size > 4096 else 0.1
+        new.append(x + std * jax.random.normal(k, x.shape, x.dtype))
+    return graphdef, jax.tree.unflatten(treedef, new)
+
+
+def reference_logprobs(graphdef, params, prompts, completions, temperature=1.0, top_k=0):
+    """jaxrlvr's own log-probs of each completion's tokens under (temperature, top-k).
+
+    Returns a list of float64 arrays, one per completion.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    seqs = [list(prompts[c.prompt_index]) + list(c.token_ids) for c in completions]
+    width = max(len(s) for s in seqs)
+    # Right padding never influences earlier positions of a causal model.
+    ids = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    logits = np.asarray(model(jnp.asarray(ids)), np.float64) / temperature
+    if top_k:
+        kth = np.sort(logits, axis=-1)[..., -top_k][..., None]
+        logits = np.where(logits >= kth, logits, -np.inf)
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1), np.float64)
+    out = []
+    for i, c in enumerate(completions):
+        p = len(prompts[c.prompt_index])
+        pos = np.arange(p - 1, p - 1 + len(c.token_ids))
+        out.append(logp[i, pos, np.asarray(c.token_ids)])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One vLLM server per session
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail(
+                "CI is set but JAXRLVR_VLLM_PYTHON is not: vLLM tests must run in CI "
+                "(export JAXRLVR_VLLM_PYTHON=$(scripts/setup_vllm.sh | tail -n1))"
+            )
+        pytest.skip("JAXRLVR_VLLM_PYTHON is not set (see scripts/setup_vllm.sh)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """A tiny random model written by jaxrlvr's own save_hf, with a locally trained tokenizer."""
+    from flax import nnx
+
+    from jaxrlvr import model as jmodel
+
+    directory = tmp_path_factory.mktemp("tiny-jaxrlvr-export")
+    cfg = tiny_model_config()
+    graphdef, params = random_params(cfg, seed=0)
+    tok = make_tokenizer(directory)
+    jmodel.save_hf(nnx.merge(graphdef, params), directory, tokenizer_src=tok)
+    return {"dir": directory, "cfg": cfg, "graphdef": graphdef, "params": params, "tokenizer": tok}
+
+
+@pytest.fixture(scope="session")
+def _vllm_server_session(vllm_python, tiny_export, tmp_path_factory):
+    from jaxrlvr.sampling import vllm_server
+
+    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    server = vllm_server.VLLMServer(tiny_export["dir"], python=vllm_python, log_path=log)
+    # Which params the server holds now: tests that reload weights record them here.
+    state = {"params": tiny_export["params"]}
+    yield server, state
+    server.stop()
+
+
+@pytest.fixture
+def vllm_server(_vllm_server_session):
+    """The session's server, (re)started if an earlier test killed it; yields (server, state)."""
+    server, state = _vllm_server_session
+    if not server.alive():
+        server.start()
+    return server, state
+
+
+@pytest.fixture(scope="session")
+def helpers():
+    """The module-level helpers above, for test modules (a second `conftest` cannot be imported
+    by name next to tests/conftest.py)."""
+    return types.SimpleNamespace(
+        random_params=random_params,
+        reference_logprobs=reference_logprobs,
+        make_tokenizer=make_tokenizer,
+        tiny_model_config=tiny_model_config,
+    )

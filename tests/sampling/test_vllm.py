@@ -1,0 +1,197 @@
+"""VLLMSampler against a real CPU vLLM server (marker ``vllm``; one server per session).
+
+The server is started from the tiny model that jaxrlvr's own `save_hf` wrote. Tolerance for
+logprob agreement: 1e-4 absolute, float32 on both sides (vLLM float32 matched transformers within
+2e-6 here; the rest is summation order over a 512-token vocabulary).
+"""
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxrlvr.sampling import base, vllm_sampler
+
+pytestmark = pytest.mark.vllm
+
+ATOL = 1e-4
+PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [300, 301, 302, 303, 304, 305]]
+
+
+def _max_gap(served, expected):
+    return max(float(np.max(np.abs(np.asarray(c.logprobs) - e))) for c, e in zip(served, expected))
+
+
+def _prefix_cache_hits(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_exported_model_is_served_with_n_samples_and_matching_logprobs(
+    vllm_server, tiny_export, helpers
+):
+    reference_logprobs = helpers.reference_logprobs
+    server, state = vllm_server
+    graphdef = tiny_export["graphdef"]
+    with vllm_sampler.VLLMSampler(tiny_export["cfg"], server, tiny_export["tokenizer"]) as s:
+        params = base.SamplingParams(max_tokens=12, seed=0, ignore_eos=True)
+        out = s.generate(PROMPTS, 4, params)
+        assert [c.prompt_index for c in out] == [0] * 4 + [1] * 4 + [2] * 4
+        for c in out:
+            assert len(c.token_ids) == 12 and c.finish_reason == "length"
+            assert all(0 <= t < tiny_export["cfg"].vocab_size for t in c.token_ids)
+            assert len(c.logprobs) == 12
+        # n=4 samples of one prompt are distinct draws, not copies.
+        assert len({tuple(c.token_ids) for c in out[:4]}) > 1
+        ref = reference_logprobs(graphdef, state["params"], PROMPTS, out)
+        assert _max_gap(out, ref) < ATOL
+
+        # processed_logprobs mode: logprobs are those of the tempered, top-k-truncated
+        # distribution that was sampled from, not the raw model's.
+        warm = base.SamplingParams(max_tokens=8, seed=1, temperature=0.7, top_k=20, ignore_eos=True)
+        out = s.generate(PROMPTS, 2, warm)
+        ref = reference_logprobs(graphdef, state["params"], PROMPTS, out, temperature=0.7, top_k=20)
+        assert _max_gap(out, ref) < ATOL
+        raw = reference_logprobs(graphdef, state["params"], PROMPTS, out)
+        assert _max_gap(out, raw) > 1e-2
+
+
+def test_stop_ids_and_max_tokens_are_honoured(vllm_server, tiny_export):
+    server, _ = vllm_server
+    with vllm_sampler.VLLMSampler(tiny_export["cfg"], server, tiny_export["tokenizer"]) as s:
+        free = s.generate(PROMPTS[:1], 4, base.SamplingParams(max_tokens=10, seed=3))
+        stop_id = free[0].token_ids[2]
+        out = s.generate(
+            PROMPTS[:1], 4, base.SamplingParams(max_tokens=10, seed=3, stop_token_ids=(stop_id,))
+        )
+        # Same seed, same prefix: the first sample now ends at its third token, which is kept.
+        assert out[0].token_ids == free[0].token_ids[:3]
+        assert out[0].finish_reason == "stop"
+        for c in out:
+            assert len(c.token_ids) <= 10
+            assert c.finish_reason == ("stop" if stop_id in c.token_ids else "length")
+
+
+def test_update_weights_is_live_and_resets_the_prefix_cache(
+    vllm_server, tiny_export, tmp_path, helpers
+):
+    reference_logprobs, random_params = helpers.reference_logprobs, helpers.random_params
+    server, state = vllm_server
+    graphdef, cfg = tiny_export["graphdef"], tiny_export["cfg"]
+    # Long enough to fill whole KV blocks, so that the prefix cache holds it.
+    long_prompt = [int(x) for x in np.random.default_rng(0).integers(5, 500, size=300)]
+    prompts = [long_prompt]
+    params = base.SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
+    with vllm_sampler.VLLMSampler(cfg, server, tiny_export["tokenizer"], export_dir=tmp_path) as s:
+        old = s.generate(prompts, 2, params)
+        assert _max_gap(old, reference_logprobs(graphdef, state["params"], prompts, old)) < ATOL
+        hits = _prefix_cache_hits(server.url)
+        s.generate(prompts, 2, params)
+        assert _prefix_cache_hits(server.url) > hits, "the prompt should now be in the cache"
+
+        _, new_params = random_params(cfg, seed=7)
+        timings = s.update_weights(new_params, version=5)
+        state["params"] = new_params
+        for key in ("export_s", "pause_s", "reload_s", "reset_s", "resume_s", "total_s"):
+            assert timings[key] >= 0.0
+        assert timings["total_s"] >= timings["export_s"] + timings["reload_s"]
+        assert s.live_versions() == ["5"] and s.version == 5
+
+        new = s.generate(prompts, 2, params)
+        # The served logprobs follow the new weights (a stale cached prompt KV would break this)...
+        assert _max_gap(new, reference_logprobs(graphdef, new_params, prompts, new)) < ATOL
+        # ...and are not the old weights' logprobs of the same tokens.
+        assert (
+            _max_gap(new, reference_logprobs(graphdef, tiny_export["params"], prompts, new)) > 1e-2
+        )
+
+        # Thinking budget on the real server: forced early-exit tokens carry logprob 0 and the
+        # sampled ones still match the model.
+        think = base.SamplingParams(max_tokens=100, seed=2, ignore_eos=True, thinking_budget=8)
+        out = s.generate(PROMPTS[:2], 2, think)
+        forced_ids = tiny_export["tokenizer"].encode(
+            think.thinking_end_text, add_special_tokens=False
+        )
+        for c in out:
+            assert len(c.token_ids) == 100 and c.forced is not None
+            closed = base.thinking_closed(
+                base.Completion(
+                    prompt_index=0,
+                    token_ids=c.token_ids[:8],
+                    logprobs=[],
+                    text="",
+                    finish_reason="length",
+                ),
+                tiny_export["tokenizer"].encode(base.THINK_CLOSE, add_special_tokens=False),
+            )
+            if not closed:
+                assert c.token_ids[8 : 8 + len(forced_ids)] == forced_ids
+                assert c.forced == [False] * 8 + [True] * len(forced_ids) + [False] * (
+                    100 - 8 - len(forced_ids)
+                )
+        ref = reference_logprobs(graphdef, new_params, PROMPTS, out)
+        for c, r in zip(out, ref):
+            sampled = ~np.asarray(c.forced)
+            assert np.all(np.asarray(c.logprobs)[~sampled] == 0.0)
+            assert np.max(np.abs(np.asarray(c.logprobs)[sampled] - r[sampled])) < ATOL
+
+
+def _generate_while_killing(sampler, server, prompts, n, params):
+    """Runs generate in a thread and SIGKILLs the server once it is busy; returns result/error."""
+    result = {}
+
+    def run():
+        try:
+            result["out"] = sampler.generate(prompts, n, params)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            result["err"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "generation finished before the kill; make it longer"
+    server.kill()
+    thread.join(timeout=600)
+    assert not thread.is_alive()
+    return result
+
+
+def test_killed_server_is_restarted_on_latest_weights_or_fails_clearly(
+    vllm_server, tiny_export, tmp_path, helpers
+):
+    reference_logprobs, random_params = helpers.reference_logprobs, helpers.random_params
+    server, state = vllm_server
+    graphdef, cfg = tiny_export["graphdef"], tiny_export["cfg"]
+    params = base.SamplingParams(max_tokens=400, seed=0, ignore_eos=True)
+    prompts = [[i + 5, i + 6, i + 7] for i in range(8)]
+    with vllm_sampler.VLLMSampler(
+        cfg, server, tiny_export["tokenizer"], export_dir=tmp_path, backoff_s=0.1
+    ) as s:
+        _, latest = random_params(cfg, seed=11)
+        s.update_weights(latest, version=9)
+        state["params"] = latest
+        restarts = server.restarts
+        result = _generate_while_killing(s, server, prompts, 4, params)
+        assert "err" not in result, result.get("err")
+        out = result["out"]
+        assert server.restarts == restarts + 1
+        assert len(out) == 32 and all(len(c.token_ids) == 400 for c in out)
+        # Generated by the restarted server, on the latest weights (not the original checkpoint).
+        assert _max_gap(out, reference_logprobs(graphdef, latest, prompts, out)) < ATOL
+        assert s.live_versions() == ["9"]
+
+    with vllm_sampler.VLLMSampler(
+        cfg, server, tiny_export["tokenizer"], restart_dead_servers=False, backoff_s=0.1
+    ) as s:
+        result = _generate_while_killing(s, server, prompts, 4, params)
+        assert "out" not in result
+        err = result["err"]
+        assert isinstance(err, vllm_sampler.VLLMError)
+        assert "died" in str(err) and "restart_dead_servers=False" in str(err)
+        assert not server.alive()
