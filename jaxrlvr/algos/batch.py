@@ -1,0 +1,145 @@
+"""The padded training batch and its host-side validation.
+
+Each row is right-padded ``[prompt][completion][pad]`` and already shifted for next-token
+training (``losses.tokenize_prompt_and_output``): ``labels[b, t]`` is the token that follows
+``input_ids[b, t]``, and ``loss_mask[b, t]`` marks the positions whose label is a response token.
+Per-token arrays (log-probs, values) are indexed like ``labels``.
+
+``validate_batch(batch, spec)`` checks field presence, shapes and dtypes on the host and raises
+one ``BatchError`` naming the field, so a malformed batch fails before anything is traced or
+compiled. Each update factory publishes the ``BatchSpec`` it needs as ``update.batch_spec``.
+
+Not here: building batches from rollouts (the driver) and length bucketing.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import struct
+
+# Fields every update needs, and the optional ones, with their rank ("bt" = [B, T], "b" = [B]).
+BASE_FIELDS = ("input_ids", "attention_mask", "labels", "loss_mask")
+_LAYOUT = {
+    "input_ids": "bt",
+    "attention_mask": "bt",
+    "labels": "bt",
+    "loss_mask": "bt",
+    "advantages": "b",
+    "old_logp": "bt",
+    "ref_logp": "bt",
+    "sampler_logp": "bt",
+    "rewards": "b",
+    "old_values": "bt",
+}
+_INT_FIELDS = ("input_ids", "labels")
+_MASK_FIELDS = ("attention_mask", "loss_mask")
+
+
+class BatchError(ValueError):
+    """A batch whose fields do not match what the update needs."""
+
+
+@struct.dataclass
+class Batch:
+    """One optimiser step's data. Shapes: B rows, T positions.
+
+    input_ids: int32 [B, T]; attention_mask: [B, T] (1 = real token, bool/int/float);
+    labels: int32 [B, T] (next token); loss_mask: [B, T] (1 where the label is a response token);
+    advantages: float32 [B] per-sequence advantage (GRPO/REINFORCE);
+    old_logp: float32 [B, T] log pi_old(labels) from the trainer before this rollout's updates;
+    ref_logp: float32 [B, T] reference-model log-probs (KL penalty), optional;
+    sampler_logp: float32 [B, T] the sampler's log-probs (truncated IS), optional;
+    rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
+    predictions at rollout time (PPO).
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    labels: jax.Array
+    loss_mask: jax.Array
+    advantages: jax.Array | None = None
+    old_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    sampler_logp: jax.Array | None = None
+    rewards: jax.Array | None = None
+    old_values: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchSpec:
+    """What an update requires of its batch.
+
+    required: field names that must be present (besides ``BASE_FIELDS``).
+    optional: fields that are used when present (others must be None).
+    num_microbatches: B must be divisible by it.
+    """
+
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in self.required + self.optional:
+            if name not in _LAYOUT:
+                raise ValueError(f"unknown batch field {name!r}; known: {sorted(_LAYOUT)}")
+        if not self.num_microbatches >= 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches!r}")
+
+
+def _dtype_ok(name: str, dtype: np.dtype) -> str | None:
+    if name in _INT_FIELDS:
+        return None if dtype == np.int32 else "int32"
+    if name in _MASK_FIELDS:
+        ok = (
+            dtype == np.bool_
+            or np.issubdtype(dtype, np.integer)
+            or np.issubdtype(dtype, np.floating)
+        )
+        return None if ok else "bool, integer or floating"
+    return None if dtype == np.float32 else "float32"
+
+
+def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
+    """Check ``batch`` against ``spec`` on the host; return (B, T).
+
+    Works on concrete arrays, NumPy arrays and abstract ``jax.ShapeDtypeStruct`` leaves alike
+    (only shapes and dtypes are read), so it also runs at trace time inside an update.
+
+    Raises:
+      BatchError: naming the first offending field: missing, unexpected, wrong rank/shape,
+        wrong dtype, or a batch size not divisible by ``spec.num_microbatches``.
+    """
+    if not isinstance(batch, Batch):
+        raise BatchError(f"expected a jaxrlvr.algos.batch.Batch, got {type(batch).__name__}")
+    allowed = set(BASE_FIELDS) | set(spec.required) | set(spec.optional)
+    ref = batch.input_ids
+    if not hasattr(ref, "shape") or len(ref.shape) != 2:
+        raise BatchError(f"batch.input_ids must be [B, T], got shape {getattr(ref, 'shape', None)}")
+    b, t = ref.shape
+    for name in _LAYOUT:
+        x = getattr(batch, name)
+        needed = name in BASE_FIELDS or name in spec.required
+        if x is None:
+            if needed:
+                raise BatchError(f"batch.{name} is required by this update but is None")
+            continue
+        if name not in allowed:
+            raise BatchError(
+                f"batch.{name} is not used by this update (it uses {sorted(allowed)}); "
+                "set it to None"
+            )
+        want = (b, t) if _LAYOUT[name] == "bt" else (b,)
+        shape = tuple(getattr(x, "shape", ()))
+        if shape != want:
+            raise BatchError(
+                f"batch.{name} must have shape {want} (B, T from input_ids), got {shape}"
+            )
+        expected = _dtype_ok(name, np.dtype(x.dtype))
+        if expected is not None:
+            raise BatchError(f"batch.{name} must be {expected}, got dtype {np.dtype(x.dtype)}")
+    if b % spec.num_microbatches:
+        raise BatchError(
+            f"batch size B={b} is not divisible by num_microbatches={spec.num_microbatches}"
+        )
+    return b, t

@@ -1,0 +1,72 @@
+"""The training state: the one pytree that an update consumes and returns.
+
+``TrainState`` holds only arrays: the step counter, the policy parameters (an ``nnx.State`` of
+``nnx.Param`` leaves that carry their ``logical_axes``), the optimiser state, a PRNG key, and for
+PPO the value-head parameters and their optimiser state. The model's graph definition and the
+optax transformation are static and live in the update's closure, so the state can be donated,
+sharded (``step.state_shardings``) and checkpointed as a plain pytree.
+
+Not here: the reference model (it holds no optimiser state: keep its params apart and use
+``updates.make_logprob_fn``), and checkpointing.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+
+@struct.dataclass
+class TrainState:
+    """step: int32 scalar, the number of applied optimiser updates (a non-finite step is not
+    counted); params: policy ``nnx.State``; opt_state: the optax state of ``params``; rng: a PRNG
+    key (uint32 [2]), advanced on every applied update; value_params / value_opt_state: the PPO
+    value head and its optax state, None otherwise."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+    value_params: Any = None
+    value_opt_state: Any = None
+
+    @classmethod
+    def create(
+        cls,
+        model_or_graphdef: nnx.Module | nnx.GraphDef,
+        params: nnx.State | None,
+        tx: optax.GradientTransformation,
+        rng: jax.Array | int = 0,
+        value_params: Any = None,
+        value_tx: optax.GradientTransformation | None = None,
+    ) -> "TrainState":
+        """A fresh state at step 0.
+
+        Args:
+          model_or_graphdef: the policy module (its params are taken when ``params`` is None) or
+            its graph definition (then ``params`` is required). The graph definition itself is not
+            stored.
+          params: the policy's ``nnx.Param`` state, e.g. ``nnx.split(model, nnx.Param)[1]``.
+          tx: optax transformation for the policy (``optim.make_optimizer``).
+          rng: PRNG key or integer seed.
+          value_params: PPO value-head parameters (``value.init_value_head``), or None.
+          value_tx: optax transformation for the value head; required with ``value_params``.
+        """
+        if params is None:
+            if isinstance(model_or_graphdef, nnx.GraphDef):
+                raise ValueError("TrainState.create: `params` is required with a graph definition")
+            _, params = nnx.split(model_or_graphdef, nnx.Param)
+        if isinstance(rng, int):
+            rng = jax.random.PRNGKey(rng)
+        if value_params is not None and value_tx is None:
+            raise ValueError("TrainState.create: `value_tx` is required with `value_params`")
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jnp.asarray(rng),
+            value_params=value_params,
+            value_opt_state=None if value_params is None else value_tx.init(value_params),
+        )

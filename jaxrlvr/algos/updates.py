@@ -1,0 +1,547 @@
+"""Update factories: pure ``update(state, batch) -> (state, metrics)`` functions for SFT, expert
+iteration, GRPO-style policy gradient and PPO, plus the log-prob function for old/reference
+log-probs.
+
+Every factory closes over the static pieces (the model's ``nnx.GraphDef``, the optax
+transformation, the loss config) and returns an un-jitted function; ``step.jit_update`` compiles
+it with donation and explicit shardings. Inside one call:
+
+1. the batch is checked against ``update.batch_spec`` (shapes and dtypes are static, so this
+   happens at trace time, before compilation; ``step.jit_update`` also checks on the host);
+2. the loss denominator is computed on the FULL batch (``aggregation.loss_denominator``), then
+   the batch is cut into ``num_microbatches`` microbatches and ``lax.scan`` sums each one's
+   gradient and metrics. Every loss is "sum of per-row terms / global denominator", so the sum
+   equals the full-batch gradient exactly (up to float summation order). Microbatch j holds rows
+   j, j + n, j + 2n, ...: with the batch sharded in contiguous blocks over ('data', 'fsdp'), every
+   microbatch stays spread over all data shards without any data movement;
+3. the optax chain (``optim.make_optimizer``: global-norm clipping, AdamW, schedule) is applied;
+4. if the loss or the pre-clip gradient norm is not finite, the whole state (step, params,
+   optimiser state, rng, value head) is returned unchanged and ``metrics["nonfinite"] = 1``;
+   ``step.jit_update(on_nonfinite="raise")`` turns that into a host-side error.
+
+Metrics are float32 scalars: ``loss``, ``policy_loss``, ``pg_loss``, ``kl_loss``, ``kl``,
+``entropy``, ``clip_frac`` (and low/high/dual), ``ratio``/``ratio_max``/``ratio_min``, the
+truncated-IS figures ``tis_weight``, ``tis_truncated``, ``logp_diff_abs``(``_max``),
+``grad_norm`` (before clipping), ``learning_rate`` (the rate applied at this step),
+``token_count`` (loss tokens), ``tokens`` (all non-pad tokens processed), ``nonfinite``;
+PPO adds ``vf_loss``, ``vf_clip_frac``, ``vf_error_sq``, ``value_grad_norm``, ``advantage_mean``,
+``return_mean``, ``value_mean``; SFT reports ``nll`` (mean per loss token) instead of the policy
+figures.
+
+Several epochs over one rollout batch (GRPO/PPO): the driver calls the update once per epoch with
+the same batch, whose ``old_logp`` was computed once by ``make_logprob_fn`` before the first
+epoch; the clipped ratio then measures the drift since the rollout. For a single on-policy epoch
+``old_logp`` may be left None: the update then uses the current log-probs (ratio 1) and saves a
+forward pass.
+
+Not here: rollouts, rewards and advantages for GRPO (the driver computes them with
+``advantages``/``shaping`` and passes ``batch.advantages``), and checkpointing.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrlvr.algos import aggregation, gae, kl, loss_config, losses, policy_loss, value
+from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import sharding
+
+_f32 = jnp.float32
+LRSchedule = optax.Schedule | float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTUpdateConfig:
+    """Supervised fine-tuning (and expert iteration) loss.
+
+    normalize_constant: None -> mean NLL over all loss tokens of the batch; a number C -> the
+        CS336 ``sft_microbatch_train_step`` loss sum_bt(-logp * mask) / (B * C).
+    num_microbatches: gradient-accumulation microbatches per optimiser step.
+    """
+
+    normalize_constant: float | None = None
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.normalize_constant is not None and not self.normalize_constant > 0:
+            raise ValueError(
+                f"normalize_constant must be None or > 0, got {self.normalize_constant!r}"
+            )
+        _check_microbatches(self.num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOUpdateConfig:
+    """GRPO / policy-gradient update: the ``policy_loss`` objective with every option of
+    ``PolicyLossConfig`` (aggregation, clip-higher, dual clip, GSPO, KL, entropy, TIS)."""
+
+    loss: loss_config.PolicyLossConfig = dataclasses.field(
+        default_factory=loss_config.PolicyLossConfig
+    )
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        _check_microbatches(self.num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOUpdateConfig:
+    """PPO with a value head on the policy trunk and GAE (Schulman et al. 2016, 2017).
+
+    loss: the policy objective; with ``kl_in="reward"`` and ``kl_coef > 0`` the KL to the
+        reference (on ``old_logp``) is subtracted from every token's reward (InstructGPT).
+    gamma, lam: discount and GAE lambda.
+    value_clip: clip range of the value loss around ``old_values`` (None: unclipped).
+    vf_coef: weight of the value loss in the total loss.
+    normalize_advantages: whiten the GAE advantages over the valid tokens of the full batch.
+    trunk: "shared" (the value loss also trains the trunk) or "detached" (only the head).
+    """
+
+    loss: loss_config.PolicyLossConfig = dataclasses.field(
+        default_factory=loss_config.PolicyLossConfig
+    )
+    num_microbatches: int = 1
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.1
+    normalize_advantages: bool = True
+    trunk: value.Trunk = "shared"
+
+    def __post_init__(self) -> None:
+        _check_microbatches(self.num_microbatches)
+        loss_config.check_literal("trunk", self.trunk, value.Trunk)
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam must be in [0, 1], got {self.lam!r}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be None or > 0, got {self.value_clip!r}")
+        if not self.vf_coef >= 0:
+            raise ValueError(f"vf_coef must be >= 0, got {self.vf_coef!r}")
+
+
+def _check_microbatches(n: int) -> None:
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {n!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Module-level helpers (importable by tests and the benchmark).
+
+
+def token_logprobs_from_hidden(
+    lm: Any, hidden_btd: jax.Array, labels_bt: jax.Array, *, entropy_grad: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """log pi(labels) [B, T] and the token entropy [B, T], float32, from final hidden states.
+
+    log p = z[label] - logsumexp(z) on float32 logits (``losses.get_response_log_probs``'s
+    formula: no [B, T, V] log-softmax array is kept). The entropy carries a gradient only when
+    ``entropy_grad`` (an entropy bonus); otherwise it is a metric and costs no backward pass.
+    """
+    logits = lm.lm_logits(hidden_btd)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels_bt[..., None], axis=-1)[..., 0]
+    ent_in = logits if entropy_grad else jax.lax.stop_gradient(logits)
+    return picked - lse, losses.compute_entropy(ent_in)
+
+
+def token_logprobs(
+    lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-probs [B, T], entropy [B, T], final hidden states [B, T, D]) of ``batch.labels``."""
+    hidden, _ = lm.backbone(batch.input_ids, batch.attention_mask)
+    logp, ent = token_logprobs_from_hidden(lm, hidden, batch.labels, entropy_grad=entropy_grad)
+    return logp, ent, hidden
+
+
+def split_microbatches(tree: Any, n: int, mesh: Any = None) -> Any:
+    """[B, ...] leaves -> [n, B/n, ...]; microbatch j holds rows j, j+n, j+2n, ... (strided).
+
+    With a mesh, each microbatch's batch axis is constrained to ('data', 'fsdp') so that every
+    microbatch stays spread over the data shards.
+    """
+
+    def split(x):
+        b = x.shape[0]
+        y = x.reshape(b // n, n, *x.shape[1:]).swapaxes(0, 1)
+        return sharding.constrain(y, (None, "batch") + (None,) * (y.ndim - 2), mesh)
+
+    return jax.tree.map(split, tree)
+
+
+def merge_microbatches(tree: Any) -> Any:
+    """Inverse of ``split_microbatches``: [n, B/n, ...] -> [B, ...] in the original row order."""
+
+    def merge(y):
+        x = y.swapaxes(0, 1)
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return jax.tree.map(merge, tree)
+
+
+def _metric_identity(metrics_shape: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    out = {}
+    for key, s in metrics_shape.items():
+        fill = -jnp.inf if key.endswith("_max") else (jnp.inf if key.endswith("_min") else 0.0)
+        out[key] = jnp.full(s.shape, fill, s.dtype)
+    return out
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]],
+    diff_params: Any,
+    microbatches: Any,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """Sum of ``grad(loss_fn)`` and of its metrics over the leading microbatch axis (lax.scan).
+
+    ``loss_fn(diff_params, microbatch) -> (loss share, metrics)`` must already divide by the
+    full-batch denominator; metrics combine by ``policy_loss.accumulate_metrics`` (sum, or
+    max/min for ``_max``/``_min`` keys).
+    """
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    metrics_shape = jax.eval_shape(lambda p, mb: loss_fn(p, mb)[1], diff_params, first)
+
+    def body(carry, mb):
+        g_acc, m_acc = carry
+        g, m = grad_fn(diff_params, mb)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+        return (g_acc, policy_loss.accumulate_metrics(m_acc, m)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), diff_params)
+    (grads, metrics), _ = jax.lax.scan(body, (zeros, _metric_identity(metrics_shape)), microbatches)
+    return grads, metrics
+
+
+def _learning_rate(lr_schedule: LRSchedule, step: jax.Array) -> jax.Array | None:
+    if lr_schedule is None:
+        return None
+    if callable(lr_schedule):
+        return jnp.asarray(lr_schedule(step), _f32)
+    return jnp.asarray(lr_schedule, _f32)
+
+
+def _finish(
+    state: state_lib.TrainState,
+    grads: Any,
+    metrics: dict[str, jax.Array],
+    tx: optax.GradientTransformation,
+    lr_schedule: LRSchedule,
+    tokens: jax.Array,
+    value_grads: Any = None,
+    value_tx: optax.GradientTransformation | None = None,
+) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
+    """Apply the optimiser(s), guard against non-finite steps, and finalise the metrics."""
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    new_rng, _ = jax.random.split(state.rng)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=new_rng)
+    out = policy_loss.finalize_metrics(metrics)
+    if value_grads is not None:
+        value_grad_norm = optax.global_norm(value_grads)
+        v_updates, v_opt = value_tx.update(value_grads, state.value_opt_state, state.value_params)
+        new = new.replace(
+            value_params=optax.apply_updates(state.value_params, v_updates), value_opt_state=v_opt
+        )
+        ok = ok & jnp.isfinite(value_grad_norm)
+        out["value_grad_norm"] = value_grad_norm
+    # Select leaf by leaf: a non-finite step leaves every array of the state as it was.
+    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+    out["grad_norm"] = grad_norm
+    lr = _learning_rate(lr_schedule, state.step)
+    if lr is not None:
+        out["learning_rate"] = lr
+    out["tokens"] = tokens
+    out["nonfinite"] = (~ok).astype(_f32)
+    return new, {k: jnp.asarray(v, _f32) for k, v in out.items()}
+
+
+def _mesh_of(lm: Any) -> Any:
+    return getattr(lm, "mesh", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories.
+
+
+def make_logprob_fn(graphdef: nnx.GraphDef, *, num_microbatches: int = 1) -> Callable:
+    """``(params, batch) -> (logp [B, T], entropy [B, T])``, float32, un-jitted (jit it).
+
+    For old and reference log-probs: any params with the policy's graph definition (a frozen
+    reference model's params need no optimiser state). ``num_microbatches`` > 1 runs the rows in
+    ``lax.map`` chunks (same strided split as the updates) to bound the [B, T, V] logits memory.
+    Uses ``input_ids``, ``attention_mask`` and ``labels``; other fields are ignored.
+    """
+    _check_microbatches(num_microbatches)
+
+    def logprob_fn(params: nnx.State, batch: batch_lib.Batch) -> tuple[jax.Array, jax.Array]:
+        lm = nnx.merge(graphdef, params)
+        if batch.input_ids.shape[0] % num_microbatches:
+            raise batch_lib.BatchError(
+                f"batch size B={batch.input_ids.shape[0]} is not divisible by "
+                f"num_microbatches={num_microbatches}"
+            )
+        inputs = (batch.input_ids, batch.attention_mask, batch.labels)
+
+        def one(x):
+            ids, mask, labels = x
+            hidden, _ = lm.backbone(ids, mask)
+            return token_logprobs_from_hidden(lm, hidden, labels)
+
+        if num_microbatches == 1:
+            return one(inputs)
+        out = jax.lax.map(one, split_microbatches(inputs, num_microbatches, _mesh_of(lm)))
+        return merge_microbatches(out)
+
+    return logprob_fn
+
+
+def make_sft_update(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: SFTUpdateConfig | None = None,
+    *,
+    lr_schedule: LRSchedule = None,
+) -> Callable:
+    """Masked-NLL update: loss = sum_bt(-logp * loss_mask) / denominator, where the denominator
+    is the full batch's loss-token count, or B * normalize_constant (CS336 ``masked_normalize``).
+
+    Args:
+      graphdef: the policy's graph definition (``nnx.split(model, nnx.Param)[0]``).
+      tx: optax transformation (``optim.make_optimizer``).
+      cfg: loss and microbatching.
+      lr_schedule: reported as ``metrics["learning_rate"]`` at ``state.step`` (optional).
+    Returns:
+      ``update(state, batch) -> (state, metrics)``, with ``update.batch_spec`` (the batch needs
+      only input_ids, attention_mask, labels, loss_mask).
+    """
+    cfg = cfg or SFTUpdateConfig()
+    spec = batch_lib.BatchSpec(num_microbatches=cfg.num_microbatches)
+
+    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
+        batch_lib.validate_batch(batch, spec)
+        b = batch.input_ids.shape[0]
+        mask = batch.loss_mask
+        if cfg.normalize_constant is None:
+            denom = jnp.maximum(jnp.sum(mask.astype(_f32)), 1.0)
+        else:
+            denom = jnp.asarray(b * cfg.normalize_constant, _f32)
+
+        def loss_fn(params, mb):
+            lm = nnx.merge(graphdef, params)
+            logp, ent, _ = token_logprobs(lm, mb)
+            nll = aggregation.masked_rows(-logp, mb.loss_mask)
+            loss = jnp.sum(nll) / denom
+            return loss, {
+                "loss": jax.lax.stop_gradient(loss),
+                "nll_sum": jax.lax.stop_gradient(jnp.sum(nll)),
+                "entropy_sum": jnp.sum(aggregation.masked_rows(ent, mb.loss_mask)),
+                "token_count": jnp.sum(mb.loss_mask.astype(_f32)),
+            }
+
+        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
+        mbs = split_microbatches(batch, cfg.num_microbatches, lm_mesh)
+        grads, metrics = accumulate_gradients(loss_fn, state.params, mbs)
+        tokens = jnp.sum(batch.attention_mask.astype(_f32))
+        return _finish(state, grads, metrics, tx, lr_schedule, tokens)
+
+    update.batch_spec = spec
+    return update
+
+
+def make_expert_iteration_update(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: SFTUpdateConfig | None = None,
+    *,
+    lr_schedule: LRSchedule = None,
+) -> Callable:
+    """Expert iteration (Anthony et al. 2017; the CS336 EI experiment): the SFT update, applied to
+    batches of the policy's own rollouts that the verifier marked correct.
+
+    The filtering happens in the driver (keep completions with reward 1, tokenise them as SFT
+    pairs); the update is exactly ``make_sft_update`` with the same arguments.
+    """
+    return make_sft_update(graphdef, tx, cfg, lr_schedule=lr_schedule)
+
+
+def _policy_spec(loss: loss_config.PolicyLossConfig, required: tuple[str, ...], n: int):
+    req = list(required)
+    optional = ["ref_logp", "sampler_logp"]
+    if loss.kl_coef > 0 and loss.kl_in == "loss":
+        req.append("ref_logp")
+    if loss.tis != "none":
+        req.append("sampler_logp")
+    optional = [f for f in optional if f not in req]
+    return batch_lib.BatchSpec(
+        required=tuple(req), optional=tuple(optional) + ("old_logp",), num_microbatches=n
+    )
+
+
+def _policy_terms(logp, ent, mb, adv, mask, loss_cfg, denom):
+    old = mb.old_logp if mb.old_logp is not None else jax.lax.stop_gradient(logp)
+    loss, metrics = policy_loss.policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        loss_cfg,
+        denominator=denom,
+        ref_logp_bt=mb.ref_logp,
+        sampler_logp_bt=mb.sampler_logp,
+        entropy_bt=ent,
+    )
+    metrics = dict(metrics)
+    metrics["policy_loss"] = metrics["loss"]
+    return loss, metrics
+
+
+def make_grpo_update(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: GRPOUpdateConfig | None = None,
+    *,
+    lr_schedule: LRSchedule = None,
+) -> Callable:
+    """GRPO / policy-gradient update on per-sequence advantages (``policy_loss.policy_loss``).
+
+    The batch needs ``advantages`` [B]; ``old_logp`` (None: on-policy, ratio 1); ``ref_logp``
+    when ``kl_coef > 0`` with ``kl_in="loss"``; ``sampler_logp`` when ``tis != "none"``.
+    See the module docstring for epochs over one rollout batch. Other arguments as
+    ``make_sft_update``.
+    """
+    cfg = cfg or GRPOUpdateConfig()
+    spec = _policy_spec(cfg.loss, ("advantages",), cfg.num_microbatches)
+    entropy_grad = cfg.loss.entropy_coef != 0
+
+    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
+        batch_lib.validate_batch(batch, spec)
+        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss)
+
+        def loss_fn(params, mb):
+            lm = nnx.merge(graphdef, params)
+            logp, ent, _ = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+            return _policy_terms(logp, ent, mb, mb.advantages, mb.loss_mask, cfg.loss, denom)
+
+        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
+        mbs = split_microbatches(batch, cfg.num_microbatches, lm_mesh)
+        grads, metrics = accumulate_gradients(loss_fn, state.params, mbs)
+        tokens = jnp.sum(batch.attention_mask.astype(_f32))
+        return _finish(state, grads, metrics, tx, lr_schedule, tokens)
+
+    update.batch_spec = spec
+    return update
+
+
+def ppo_advantages(batch: batch_lib.Batch, cfg: PPOUpdateConfig) -> tuple[jax.Array, jax.Array]:
+    """GAE advantages and returns [B, T] of a PPO batch (full batch, before microbatching).
+
+    Rewards per token: ``gae.ppo_token_rewards`` (task reward on the last response token, minus
+    kl_coef * KL(old || ref) per token when ``kl_in == "reward"``); then ``gae.compute_gae`` on
+    ``old_values``; optionally whitened over the valid tokens.
+    """
+    mask = batch.loss_mask
+    loss = cfg.loss
+    if loss.kl_in == "reward" and loss.kl_coef > 0:
+        kl_bt = kl.kl_estimate(
+            batch.old_logp, batch.ref_logp, loss.kl_estimator, log_ratio_clamp=loss.log_ratio_clamp
+        )
+        beta = loss.kl_coef
+    else:
+        kl_bt, beta = jnp.zeros(mask.shape, _f32), 0.0
+    rewards_bt = gae.ppo_token_rewards(batch.rewards, kl_bt, mask, beta)
+    adv, returns = gae.compute_gae(rewards_bt, batch.old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.normalize_advantages:
+        m = mask.astype(_f32)
+        n = jnp.maximum(jnp.sum(m), 1.0)
+        mean = jnp.sum(adv * m) / n
+        var = jnp.sum(jnp.square(adv - mean) * m) / n
+        adv = jnp.where(m != 0, (adv - mean) * jax.lax.rsqrt(var + 1e-8), 0.0)
+    return adv, returns
+
+
+def make_ppo_update(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    value_tx: optax.GradientTransformation,
+    cfg: PPOUpdateConfig | None = None,
+    *,
+    lr_schedule: LRSchedule = None,
+) -> Callable:
+    """PPO update: clipped policy loss on GAE advantages + vf_coef * clipped value loss.
+
+    The state must carry ``value_params`` (``value.init_value_head``) and ``value_opt_state``
+    (of ``value_tx``). The batch needs ``rewards`` [B], ``old_values`` [B, T] (from
+    ``value.make_value_fn`` at rollout time) and ``old_logp``; ``ref_logp`` when ``kl_coef > 0``.
+    Advantages and returns are computed on the full batch (``ppo_advantages``) before the
+    microbatch scan; the value loss is normalised by the full batch's loss-token count.
+    """
+    cfg = cfg or PPOUpdateConfig()
+    required = ("rewards", "old_values", "old_logp")
+    if cfg.loss.kl_coef > 0:
+        required += ("ref_logp",)
+    spec = _policy_spec(cfg.loss, required, cfg.num_microbatches)
+    spec = dataclasses.replace(spec, optional=tuple(f for f in spec.optional if f not in required))
+    entropy_grad = cfg.loss.entropy_coef != 0
+    token_mean = dataclasses.replace(cfg.loss, aggregation="token_mean", norm_constant=None)
+
+    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
+        batch_lib.validate_batch(batch, spec)
+        if state.value_params is None:
+            raise ValueError("make_ppo_update: the state has no value_params")
+        adv_bt, returns_bt = ppo_advantages(batch, cfg)
+        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss)
+        v_denom = aggregation.loss_denominator(batch.loss_mask, token_mean)
+
+        def loss_fn(both, xs):
+            params, value_params = both
+            mb, adv, returns = xs
+            lm = nnx.merge(graphdef, params)
+            logp, ent, hidden = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+            if cfg.trunk == "detached":
+                hidden = jax.lax.stop_gradient(hidden)
+            values = value.values_from_hidden(value_params, hidden)
+            p_loss, metrics = _policy_terms(logp, ent, mb, adv, mb.loss_mask, cfg.loss, denom)
+            v_loss, v_metrics = gae.value_loss(
+                values, mb.old_values, returns, mb.loss_mask, cfg.value_clip, denominator=v_denom
+            )
+            total = p_loss + cfg.vf_coef * v_loss
+            m = mb.loss_mask
+            metrics.update(v_metrics)
+            metrics.update(
+                loss=jax.lax.stop_gradient(total),
+                vf_loss=jax.lax.stop_gradient(v_loss),
+                advantage_mean_sum=jnp.sum(aggregation.masked_rows(adv, m)),
+                return_mean_sum=jnp.sum(aggregation.masked_rows(returns, m)),
+                value_mean_sum=jax.lax.stop_gradient(jnp.sum(aggregation.masked_rows(values, m))),
+            )
+            return total, metrics
+
+        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
+        mbs = split_microbatches((batch, adv_bt, returns_bt), cfg.num_microbatches, lm_mesh)
+        (grads, value_grads), metrics = accumulate_gradients(
+            loss_fn, (state.params, state.value_params), mbs
+        )
+        tokens = jnp.sum(batch.attention_mask.astype(_f32))
+        return _finish(
+            state,
+            grads,
+            metrics,
+            tx,
+            lr_schedule,
+            tokens,
+            value_grads=value_grads,
+            value_tx=value_tx,
+        )
+
+    update.batch_spec = spec
+    return update
