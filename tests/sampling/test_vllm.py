@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxrlvr.sampling import base, vllm_sampler
+from jaxrlvr.sampling import base, vllm_sampler, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -195,3 +195,42 @@ def test_killed_server_is_restarted_on_latest_weights_or_fails_clearly(
         assert isinstance(err, vllm_sampler.VLLMError)
         assert "died" in str(err) and "restart_dead_servers=False" in str(err)
         assert not server.alive()
+
+
+@pytest.mark.slow
+def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
+    vllm_python, tiny_export, tmp_path
+):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = vllm_server.pick_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxrlvr.cli", "serve-vllm", "--model", str(tiny_export["dir"])]
+        + ["--python", vllm_python, "--port", str(port), "--log", str(tmp_path / "cli.log")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "JAXRLVR_VLLM_PYTHON"},
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready at" in line or proc.poll() is not None:
+                break
+        assert f"ready at http://127.0.0.1:{port}" in "".join(lines), "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        # Bound to loopback, in dev mode (the client's construction checks pass), serving the model.
+        with vllm_sampler.VLLMSampler(tiny_export["cfg"], url) as s:
+            (c,) = s.generate([[5, 6]], 1, base.SamplingParams(max_tokens=3, seed=0))
+        assert len(c.token_ids) == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

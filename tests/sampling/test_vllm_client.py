@@ -224,3 +224,28 @@ def test_rejected_request_is_not_retried(stubs):
         with pytest.raises(vllm_sampler.VLLMError, match="rejected.*HTTP 400"):
             s.generate([[1]], 1, base.SamplingParams())
     assert len(stub.requests) == 1
+
+
+def test_server_that_dies_at_start_up_raises_with_its_log_tail(tmp_path):
+    import sys
+
+    # This interpreter has no vLLM, so the api_server process exits at once.
+    with pytest.raises(RuntimeError, match="exited with code 1 during start-up") as e:
+        vllm_server.VLLMServer(
+            tmp_path, python=sys.executable, log_path=tmp_path / "log", startup_timeout_s=60
+        )
+    assert "No module named 'vllm'" in str(e.value)
+
+
+def test_server_command_has_the_flags_weight_sync_needs(tmp_path):
+    s = vllm_server.VLLMServer(tmp_path, python="/x/python", port=1234, start=False)
+    cmd = s.command()
+    assert cmd[:3] == ["/x/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::1], cmd[4::1]))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "1234"
+    assert flags["--logprobs-mode"] == "processed_logprobs" and flags["--dtype"] == "float32"
+    assert "--enforce-eager" in cmd
+    env = s.environment()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert "XLA_FLAGS" not in env
+    assert s.url == "http://127.0.0.1:1234" and not s.alive()
