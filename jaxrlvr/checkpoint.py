@@ -8,7 +8,8 @@ Guarantees this module relies on orbax for, and tests:
 
 - Atomic saves. Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
   only once every item is written, so a process killed mid-save leaves a temporary directory that
-  is never listed as a step; the next ``Checkpointer`` on that directory deletes it.
+  is never listed as a step; a later ``Checkpointer`` on that directory deletes it in the
+  background (finished before its first save).
 - The newest ``keep`` complete checkpoints are kept; older ones are deleted after each save.
 - Restores go into an abstract state whose leaves are ``jax.ShapeDtypeStruct`` with ``sharding``
   set (build it with :func:`abstract_like`), so arrays come back laid out for the current mesh,
@@ -90,7 +91,8 @@ class Checkpointer:
                 max_to_keep=self.keep,
                 create=True,
                 # Partial checkpoints from a killed process are never listed as steps; this
-                # also deletes their temporary directories when the directory is reopened.
+                # also deletes their temporary directories (in the background, awaited by
+                # orbax before the first save).
                 cleanup_tmp_directories=True,
                 enable_async_checkpointing=False,
             )
