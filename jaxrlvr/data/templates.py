@@ -22,7 +22,7 @@ PLACEHOLDER = "{question}"
 
 @functools.cache
 def load_template(name: Literal["r1_zero", "question_only"]) -> str:
-    """The template text shipped with the package (a final newline in the file is not part of it)."""
+    """The shipped template text (a final newline in the file is not part of it)."""
     if name not in ("r1_zero", "question_only"):
         raise ValueError(f"template file must be 'r1_zero' or 'question_only', got {name!r}")
     path = importlib.resources.files("jaxrlvr.data") / "templates" / f"{name}.txt"
