@@ -226,7 +226,7 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # Loading
 
 
-def _weight_files(path: str) -> dict[str, str]:
+def _weight_files(path: str, handles: dict) -> dict[str, str]:
     """HF tensor name -> safetensors file, from the index or by scanning the files."""
     index = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.exists(index):
@@ -242,26 +242,25 @@ def _weight_files(path: str) -> dict[str, str]:
     out = {}
     for fname in files:
         full = os.path.join(path, fname)
-        for name in _open(full).keys():
+        for name in _open(full, handles).keys():
             out[name] = full
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _open_cached(file: str, mtime: float):
-    try:
-        return safe_open(file, framework="numpy")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+def _open(file: str, handles: dict):
+    """A safetensors handle, opened once per load (``handles`` lives only as long as the load,
+    so no file stays open or mapped afterwards, e.g. after an export directory is replaced)."""
+    if file not in handles:
+        if not os.path.exists(file):
+            raise CheckpointError(f"{file}: file listed in the checkpoint is missing")
+        try:
+            handles[file] = safe_open(file, framework="numpy")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+    return handles[file]
 
 
-def _open(file: str):
-    if not os.path.exists(file):
-        raise CheckpointError(f"{file}: file listed in the checkpoint is missing")
-    return _open_cached(file, os.path.getmtime(file))
-
-
-def _validate(cfg: ModelConfig, files: dict[str, str]) -> None:
+def _validate(cfg: ModelConfig, files: dict[str, str], handles: dict) -> None:
     expected = expected_hf_shapes(cfg)
     present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
@@ -277,7 +276,7 @@ def _validate(cfg: ModelConfig, files: dict[str, str]) -> None:
         )
     for name, shape in expected.items():
         try:
-            found = tuple(_open(files[name]).get_slice(name).get_shape())
+            found = tuple(_open(files[name], handles).get_slice(name).get_shape())
         except SafetensorError as e:
             raise CheckpointError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
         if found != shape:
@@ -286,9 +285,9 @@ def _validate(cfg: ModelConfig, files: dict[str, str]) -> None:
             )
 
 
-def _read(files, name):
+def _read(files, name, handles):
     try:
-        return _open(files[name]).get_tensor(name)
+        return _open(files[name], handles).get_tensor(name)
     except SafetensorError as e:
         raise CheckpointError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
 
@@ -319,8 +318,9 @@ def load_hf(
         cfg = ModelConfig.from_json(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
     except ConfigError as e:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
-    files = _weight_files(path)
-    _validate(cfg, files)
+    handles: dict = {}
+    files = _weight_files(path, handles)
+    _validate(cfg, files, handles)
 
     abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, abstract_params = nnx.split(abstract)
@@ -338,7 +338,7 @@ def load_hf(
         @functools.lru_cache(maxsize=2)
         def layer(i: int) -> np.ndarray:
             name = entry.hf_name.format(i=i)
-            return np.asarray(entry.to_ours(_read(files, name), cfg)).astype(storage)
+            return np.asarray(entry.to_ours(_read(files, name, handles), cfg)).astype(storage)
 
         def callback(index):
             if not entry.per_layer:

@@ -1,0 +1,108 @@
+"""Helpers shared by model tests: tiny random transformers Qwen2 models and input builders.
+
+Weights are re-drawn with a larger scale than HF's 0.02 init (and non-trivial norm weights and
+biases), so logits have a standard deviation of order 1 and attention is far from uniform: a 1e-4
+tolerance then really tests the port, instead of comparing near-zero numbers.
+"""
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+TINY_HF = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCheckpoint:
+    path: pathlib.Path  # directory written by save_pretrained
+    torch_model: object  # the transformers Qwen2ForCausalLM it came from (float32, eval mode)
+
+
+def make_torch_model(*, tie: bool, seed: int = 0, **overrides):
+    """A random float32 transformers Qwen2ForCausalLM with O(1) logits."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2Config(**{**TINY_HF, **overrides}, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+    return model
+
+
+def write_checkpoint(directory: pathlib.Path, *, tie: bool, seed: int = 0, **save_kwargs):
+    model = make_torch_model(tie=tie, seed=seed)
+    model.save_pretrained(directory, **save_kwargs)
+    return HFCheckpoint(path=pathlib.Path(directory), torch_model=model)
+
+
+def torch_logits(torch_model, ids, mask=None, positions=None) -> np.ndarray:
+    import torch
+
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = torch.as_tensor(np.asarray(mask), dtype=torch.long)
+    if positions is not None:
+        kwargs["position_ids"] = torch.as_tensor(np.asarray(positions), dtype=torch.long)
+    with torch.no_grad():
+        out = torch_model(torch.as_tensor(np.asarray(ids), dtype=torch.long), **kwargs)
+    return out.logits.float().numpy()
+
+
+def random_ids(batch: int, length: int, seed: int = 0, vocab: int = TINY_HF["vocab_size"]):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length), dtype=np.int32)
+
+
+def left_padded(lengths, total):
+    """attention_mask and HF-style position_ids (cumsum - 1, 0 on pads) for left padding."""
+    mask = np.zeros((len(lengths), total), np.int32)
+    for i, n in enumerate(lengths):
+        mask[i, total - n :] = 1
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int32)
+    return mask, positions
+
+
+def _forward(graphdef, params, ids, mask, positions):
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)(ids, mask, positions)
+
+
+_jit_forward = None
+
+
+def forward(lm, ids, mask=None, positions=None) -> np.ndarray:
+    """``lm(ids, mask, positions)`` under jit (eager NNX calls retrace the layer scan every time,
+    which costs seconds per call on a loaded CPU). Compiled once per graphdef and shapes."""
+    global _jit_forward
+    import jax
+    from flax import nnx
+
+    if _jit_forward is None:
+        _jit_forward = jax.jit(_forward, static_argnums=0)
+    graphdef, params = nnx.split(lm, nnx.Param)
+    as_array = lambda x: None if x is None else jax.numpy.asarray(x)
+    return np.asarray(
+        _jit_forward(graphdef, params, as_array(ids), as_array(mask), as_array(positions))
+    )
