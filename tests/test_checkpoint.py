@@ -187,7 +187,7 @@ def _tmp_dirs(directory):
     return [n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n]
 
 
-@pytest.mark.slow
+# Not marked slow: ~4-9 s here, and it is the only proof that a killed save is never used.
 def test_sigkill_during_save_never_leaves_a_usable_partial(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
