@@ -1,0 +1,360 @@
+"""GRPO update throughput: jaxrlvr against a PyTorch reference of the same update, same weights.
+
+Each system runs in its own subprocess (so peak RSS is per system) on identical shapes, initial
+weights (one Hugging Face checkpoint written by jaxrlvr's ``save_hf``) and batch (NumPy seed):
+
+- ``jaxrlvr``: ``updates.make_grpo_update`` compiled by ``step.jit_update`` (donated state,
+  explicit shardings on a one-device mesh), microbatches by ``lax.scan``;
+- ``torch``: transformers ``Qwen2ForCausalLM`` (float32, ``attn_implementation="sdpa"``, all
+  cores), the same GRPO clipped loss with the same full-batch ``seq_mean_token_mean``
+  aggregation, gradient accumulation, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
+
+Reference shape (the issue's): vocab 8192, hidden 512, intermediate 1408, 8 layers, 8 heads,
+2 KV heads, untied, float32 (~31M params); 16 x 256 tokens (64 prompt + 192 response) per step
+in 4 microbatches of 4. ``--tiny`` runs a small shape in seconds.
+
+MFU = model FLOPs per step / step time / peak, with model FLOPs = 6 x non-embedding params x
+tokens + attention (12 x layers x heads x head_dim x T per token, PaLM's formula; the lm_head
+matmul is not counted, as in that formula), and peak = the best fp32 dense-matmul throughput
+measured in the same run (the larger of JAX's and torch's).
+
+Usage: ``jaxrlvr bench update [--tiny] [--json PATH] [--steps N] [--systems jaxrlvr,torch]``.
+Not a test: timings are for the closing note and for spotting regressions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "reference": dict(
+        model=dict(
+            vocab_size=8192,
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        batch=16,
+        prompt=64,
+        response=192,
+        microbatches=4,
+    ),
+    "tiny": dict(
+        model=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        batch=8,
+        prompt=8,
+        response=24,
+        microbatches=2,
+    ),
+}
+LR, CLIP_EPS, MAX_GRAD_NORM, BETAS, EPS = 1e-5, 0.2, 1.0, (0.9, 0.95), 1e-8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+    model: dict
+    batch: int
+    prompt: int
+    response: int
+    microbatches: int
+
+    @property
+    def seq(self) -> int:
+        return self.prompt + self.response
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def make_batch(shape: Shape, seed: int = 0) -> dict:
+    """Right-padded rows: prompt, a random-length response (>= 3/4 of the budget), padding."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b, t, v = shape.batch, shape.seq, shape.model["vocab_size"]
+    full = rng.integers(0, v, (b, t + 1)).astype(np.int32)
+    lengths = rng.integers(3 * shape.response // 4, shape.response + 1, b)
+    pos = np.arange(t)[None, :]
+    attn = pos < (shape.prompt + lengths)[:, None]
+    loss_mask = (pos >= shape.prompt - 1) & (pos < (shape.prompt - 1 + lengths)[:, None])
+    return dict(
+        input_ids=full[:, :-1],
+        attention_mask=attn.astype(np.int32),
+        labels=full[:, 1:],
+        loss_mask=loss_mask,
+        advantages=rng.normal(size=b).astype(np.float32),
+    )
+
+
+def model_flops_per_step(shape: Shape) -> float:
+    m = shape.model
+    from jaxrlvr.model import config as config_lib
+
+    cfg = config_lib.ModelConfig(**m)
+    attn = 12 * m["num_hidden_layers"] * m["num_attention_heads"] * cfg.head_dim * shape.seq
+    return shape.tokens * (6 * cfg.num_non_embedding_params() + attn)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _timed_steps(run_step, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (each runs in its own process).
+
+
+def _worker_init(shape: Shape, weights: str) -> dict:
+    from jaxrlvr import model as M
+
+    cfg = M.ModelConfig(**shape.model, max_position_embeddings=max(512, shape.seq))
+    M.save_hf(M.init_model(cfg, seed=0), weights)
+    return {"num_params": cfg.num_params()}
+
+
+def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = min(_timed_steps(lambda: f(a, a).block_until_ready(), repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrlvr import model as M
+    from jaxrlvr.algos import batch as batch_lib
+    from jaxrlvr.algos import loss_config, optim, step, updates
+    from jaxrlvr.algos import state as state_lib
+
+    mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    lm = M.load_hf(weights, dtype="float32", param_dtype="float32", mesh=mesh, remat=remat)
+    graphdef, params = nnx.split(lm, nnx.Param)
+    ocfg = optim.OptimizerConfig(
+        learning_rate=LR, max_grad_norm=MAX_GRAD_NORM, b1=BETAS[0], b2=BETAS[1], eps=EPS
+    )
+    tx = optim.make_optimizer(ocfg)
+    loss = loss_config.PolicyLossConfig(
+        aggregation="seq_mean_token_mean", clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS
+    )
+    gcfg = updates.GRPOUpdateConfig(loss=loss, num_microbatches=shape.microbatches)
+    upd = updates.make_grpo_update(graphdef, tx, gcfg, lr_schedule=optim.make_schedule(ocfg))
+    state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
+    raw = make_batch(shape)
+    batch = batch_lib.Batch(**{k: jnp.asarray(v) for k, v in raw.items()})
+    logprob = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=shape.microbatches))
+    batch = batch.replace(old_logp=logprob(state.params, batch)[0])
+    batch = step.shard_batch(jax.device_get(batch), mesh)
+    ssh = step.state_shardings(state, mesh)
+    jitted = step.jit_update(upd, ssh, step.batch_shardings(batch, mesh))
+
+    t0 = time.perf_counter()
+    compiled = jitted.compiled.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    holder = {"state": state}
+
+    def run():
+        holder["state"], metrics = compiled(holder["state"], batch)
+        holder["loss"] = float(metrics["loss"])  # blocks until the step is done
+
+    run()  # warmup
+    times = _timed_steps(run, steps)
+    return {
+        "step_times_s": times,
+        "compile_s": compile_s,
+        "matmul_gflops": _jax_matmul_gflops(),
+        "peak_rss_mib": _peak_rss_mib(),
+        "final_loss": holder["loss"],
+        "version": f"jax {jax.__version__}",
+    }
+
+
+def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        weights, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    raw = make_batch(shape)
+    b = {k: torch.from_numpy(v) for k, v in raw.items()}
+    ids, attn, labels = b["input_ids"].long(), b["attention_mask"].long(), b["labels"].long()
+    mask, adv = b["loss_mask"].float(), b["advantages"].float()
+    n, bsz = shape.microbatches, shape.batch
+    rows = [torch.arange(j, bsz, n) for j in range(n)]  # same strided split as jaxrlvr
+
+    def logp_of(idx):
+        logits = model(input_ids=ids[idx], attention_mask=attn[idx]).logits.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        return torch.gather(logits, -1, labels[idx].unsqueeze(-1)).squeeze(-1) - lse
+
+    with torch.no_grad():
+        old = torch.zeros(ids.shape)
+        for idx in rows:
+            old[idx] = logp_of(idx)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        for idx in rows:
+            lp, m = logp_of(idx), mask[idx]
+            ratio = torch.exp(lp - old[idx])
+            a = adv[idx][:, None]
+            pg = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS) * a)
+            per_row = (pg * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+            (per_row.sum() / bsz).backward()  # full-batch seq_mean_token_mean denominator
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        opt.step()
+
+    t0 = time.perf_counter()
+    run()  # warmup (torch has no compile step; this is its first-step overhead)
+    first_s = time.perf_counter() - t0
+    times = _timed_steps(run, steps)
+    a = torch.randn(2048, 2048)
+    best = min(_timed_steps(lambda: torch.mm(a, a), 10))
+    return {
+        "step_times_s": times,
+        "compile_s": 0.0,
+        "first_step_s": first_s,
+        "matmul_gflops": 2 * 2048**3 / best / 1e9,
+        "peak_rss_mib": _peak_rss_mib(),
+        "version": f"torch {torch.__version__}, transformers {transformers.__version__}",
+    }
+
+
+def _run_worker(kind: str, args: argparse.Namespace, weights: str, out: str) -> dict:
+    cmd = [
+        sys.executable, "-m", "jaxrlvr.bench.update", "--_worker", kind, "--_weights", weights,
+        "--_out", out, "--steps", str(args.steps), "--threads", str(args.threads),
+    ]  # fmt: skip
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.remat:
+        cmd.append("--remat")
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.pop("XLA_FLAGS", None)  # one device: the benchmark is a single-host, single-device run
+    subprocess.run(cmd, check=True, env=env)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jaxrlvr bench update", description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--tiny", action="store_true", help="small shape for a quick run")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per system (after 1 warmup)")
+    p.add_argument("--systems", default="jaxrlvr,torch")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    p.add_argument("--remat", action="store_true", help="jaxrlvr: rematerialise each layer")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_weights", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    name = "tiny" if args.tiny else "reference"
+    shape = Shape(**SHAPES[name])
+
+    if args._worker is not None:
+        if args._worker == "init":
+            rec = _worker_init(shape, args._weights)
+        elif args._worker == "jaxrlvr":
+            rec = _worker_jax(shape, args._weights, args.steps, args.remat)
+        else:
+            rec = _worker_torch(shape, args._weights, args.steps, args.threads)
+        with open(args._out, "w") as f:
+            json.dump(rec, f)
+        return 0
+
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in ("jaxrlvr", "torch"):
+            p.error(f"--systems: unknown system {s!r} (choose from jaxrlvr, torch)")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
+        weights = os.path.join(tmp, "weights")
+        info = _run_worker("init", args, weights, os.path.join(tmp, "init.json"))
+        for s in systems:
+            results[s] = _run_worker(s, args, weights, os.path.join(tmp, f"{s}.json"))
+    peak = max(r["matmul_gflops"] for r in results.values()) * 1e9
+    flops = model_flops_per_step(shape)
+    records = []
+    for s, r in results.items():
+        step_s = statistics.median(r["step_times_s"])
+        records.append(
+            {
+                "benchmark": "update",
+                "system": s,
+                "shape": name,
+                "num_params": info["num_params"],
+                "tokens_per_step": shape.tokens,
+                "microbatches": shape.microbatches,
+                "remat": bool(args.remat) if s == "jaxrlvr" else False,
+                "tokens_per_s": shape.tokens / step_s,
+                "step_s": step_s,
+                "step_times_s": r["step_times_s"],
+                "mfu": flops / step_s / peak,
+                "model_flops_per_step": flops,
+                "peak_matmul_gflops": peak / 1e9,
+                "matmul_gflops": r["matmul_gflops"],
+                "peak_rss_mib": r["peak_rss_mib"],
+                "compile_s": r["compile_s"],
+                "version": r["version"],
+            }
+        )
+    print(f"shape={name} params={info['num_params'] / 1e6:.1f}M tokens/step={shape.tokens} "
+          f"peak fp32 matmul={peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(f"{'system':>8} {'tokens/s':>9} {'step_s':>7} {'mfu':>5} {'rss_MiB':>8} {'compile_s':>9}")
+    for r in records:
+        print(
+            f"{r['system']:>8} {r['tokens_per_s']:9.1f} {r['step_s']:7.3f} {r['mfu']:5.2f} "
+            f"{r['peak_rss_mib']:8.0f} {r['compile_s']:9.2f}"
+        )
+    if "jaxrlvr" in results and "torch" in results:
+        j, t = (next(r for r in records if r["system"] == s) for s in ("jaxrlvr", "torch"))
+        print(f"jaxrlvr / torch tokens/s: {j['tokens_per_s'] / t['tokens_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

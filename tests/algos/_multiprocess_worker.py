@@ -1,0 +1,82 @@
+"""Worker for test_multiprocess.py: one GRPO update on a mesh over every process's devices.
+
+Usage: python _multiprocess_worker.py OUT PORT NUM_PROCESSES PROCESS_ID
+With NUM_PROCESSES == 1 it runs in a single process on a one-device mesh (the reference).
+Each process has 4 fake CPU devices and uses gloo collectives. Every process writes the
+updated params (gathered to its host) and the loss to OUT.<process_id>.npz.
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from jaxrlvr import distributed  # noqa: E402
+from jaxrlvr import model as M  # noqa: E402
+from jaxrlvr.algos import batch as batch_lib  # noqa: E402
+from jaxrlvr.algos import optim, step, updates  # noqa: E402
+from jaxrlvr.algos import state as state_lib  # noqa: E402
+
+B, T = 8, 16
+
+
+def make_batch() -> batch_lib.Batch:
+    rng = np.random.default_rng(0)
+    full = rng.integers(0, 128, (B, T + 1)).astype(np.int32)
+    resp = rng.integers(2, 10, B)
+    pos = np.arange(T)[None, :]
+    return batch_lib.Batch(
+        input_ids=full[:, :-1],
+        attention_mask=(pos < (4 + resp)[:, None]).astype(np.int32),
+        labels=full[:, 1:],
+        loss_mask=(pos >= 3) & (pos < (3 + resp)[:, None]),
+        advantages=rng.normal(size=B).astype(np.float32),
+        old_logp=(-5.0 + 0.3 * rng.normal(size=(B, T))).astype(np.float32),
+    )
+
+
+def main(out: str, port: int, num_processes: int, process_id: int) -> None:
+    if num_processes > 1:
+        distributed.initialize(
+            distributed.DistributedConfig(
+                enabled=True,
+                coordinator_address=f"127.0.0.1:{port}",
+                num_processes=num_processes,
+                process_id=process_id,
+                initialization_timeout=120,
+            )
+        )
+        assert jax.process_count() == num_processes
+        mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))  # all 8 devices
+    else:
+        mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    cfg = M.ModelConfig.tiny()
+    lm = M.init_model(cfg, seed=0, mesh=mesh)
+    graphdef, params = nnx.split(lm, nnx.Param)
+    tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
+    upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
+    state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
+    batch = make_batch()
+    jitted = step.jit_update(
+        upd, step.state_shardings(state, mesh), step.batch_shardings(batch, mesh)
+    )
+    state, metrics = jitted(state, step.shard_batch(batch, mesh))
+    flat = {
+        "/".join(str(k) for k in path): np.asarray(multihost_utils.process_allgather(v, tiled=True))
+        for path, v in nnx.to_flat_state(state.params)
+    }
+    flat["metric/loss"] = np.asarray(jax.device_get(metrics["loss"]))
+    flat["num_devices"] = np.asarray(len(mesh.devices.flat))
+    np.savez(f"{out}.{process_id}.npz", **flat)
+    if num_processes > 1:
+        multihost_utils.sync_global_devices("done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
