@@ -24,6 +24,7 @@ An unparseable gold answer is never equivalent to anything but an identical stri
 from __future__ import annotations
 
 import fractions
+import functools
 import logging
 import re
 
@@ -279,9 +280,13 @@ def is_explosive(text: str) -> bool:
 # The equivalence test.
 
 
-def _parse(text: str) -> list:
+@functools.lru_cache(maxsize=8192)
+def _parse(text: str) -> tuple:
+    """math-verify's parse of one form, cached: golds repeat across the G samples of a prompt and
+    across epochs, and the ANTLR LaTeX parser dominates grading time (math-verify's own cache
+    holds 20 entries). Sympy objects are immutable, so sharing them is safe."""
     # parsing_timeout=None: no SIGALRM (the pool bounds the call); see the module docstring.
-    return math_verify.parse(f"${text}$", parsing_timeout=None)
+    return tuple(math_verify.parse(f"${text}$", parsing_timeout=None))
 
 
 def _squash(text: str) -> str:
@@ -324,6 +329,8 @@ def is_equivalent(pred: str, gold: str | int | float) -> bool:
         return False
     for pred_form in pred_forms:
         parsed = _parse(pred_form)
-        if parsed and any(math_verify.verify(g, parsed, timeout_seconds=None) for g in gold_parsed):
+        if parsed and any(
+            math_verify.verify(list(g), list(parsed), timeout_seconds=None) for g in gold_parsed
+        ):
             return True
     return False
