@@ -13,8 +13,9 @@ top-p), which is what truncated importance sampling needs. A server started by h
 flag returns pre-temperature logprobs; they are only equal at temperature 1 without top-k/top-p.
 
 Weight sync (`update_weights`), the disk route that works everywhere: export the NNX params as
-HF-named safetensors (same names as `save_hf`) to a tmpfs directory, then on every server
-``POST /pause?mode=wait`` -> ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+HF-named safetensors (same names as `save_hf`) to a tmpfs directory while every server runs
+``POST /pause?mode=wait`` (it waits for in-flight requests), then on every server
+``POST /collective_rpc {"method": "reload_weights", "kwargs":
 {"weights_path": DIR}}`` -> ``POST /reset_prefix_cache`` (without it, cached prompts keep their
 old-weight KV blocks) -> ``POST /update_weight_version`` -> ``POST /resume``, and confirm with
 ``GET /weight_info`` that the server reports the new version. The GPU fast path, vLLM's NCCL
@@ -312,8 +313,8 @@ class VLLMSampler:
         last: Exception | None = None
         attempts = self.max_retries + 1
         for attempt in range(attempts):
-            t = self._targets[(slot + attempt) % len(self._targets)]
-            model = self.model_names[self._targets.index(t)]
+            k = (slot + attempt) % len(self._targets)
+            t, model = self._targets[k], self.model_names[k]
             body = completion_request(model, prompt, n, params, seed)
             try:
                 r = self._client.post(t.url + "/v1/completions", json=body)
@@ -375,15 +376,31 @@ class VLLMSampler:
         """Exports `params` and makes every server serve them; returns timings in seconds.
 
         Keys: export_s, pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for each
-        part), total_s. Raises `VLLMError` if a server fails or does not report the new version.
+        part) and total_s. Pausing overlaps the export, so total_s can be less than the sum.
+        Raises `VLLMError` if a server fails or does not report the new version; a server whose
+        reload failed stays paused, so that no rollout comes from half-loaded weights.
         """
         version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
         if self.export_dir is None:
             self.export_dir = weight_export.default_export_dir()
-        timings = weight_export.export_weights(self.cfg, params, self.export_dir)
+        # Pausing waits for in-flight requests to finish: let it happen while the export runs.
+        pauses = [self._pool.submit(self._pause_one, t) for t in self._targets]
+        try:
+            timings = weight_export.export_weights(self.cfg, params, self.export_dir)
+        except BaseException:
+            concurrent.futures.wait(pauses)
+            for t in self._targets:  # best effort: keep serving the old weights
+                try:
+                    self._post(t, "/resume")
+                except (httpx.HTTPError, VLLMError):
+                    pass
+            raise
         self._exported = True
-        parts = list(self._pool.map(lambda t: self._reload_one(t, version), self._targets))
+        paused = [f.result() for f in pauses]
+        parts = list(
+            self._pool.map(lambda tp: self._reload_one(*tp, version), zip(self._targets, paused))
+        )
         self.version = version
         out = {"export_s": timings["export_s"]}
         for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):
@@ -391,18 +408,33 @@ class VLLMSampler:
         out["total_s"] = time.perf_counter() - t0
         return out
 
-    def _reload_one(self, t: _Target, version: int) -> dict[str, float]:
+    def _pause_one(self, t: _Target) -> float | None:
+        """Pauses `t` (waiting for in-flight requests); None if a server of ours is down."""
         with t.lock:
             if t.server is not None and not t.server.alive():
-                if not self.restart_dead_servers:
-                    raise VLLMError(
-                        f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
-                        "restart_dead_servers=False"
-                    )
-                t.server.restart(self.export_dir)  # starts directly on the new weights
-            times = {}
+                return None
             t0 = time.perf_counter()
-            self._post(t, "/pause", params={"mode": "wait"})
+            try:
+                self._post(t, "/pause", params={"mode": "wait"})
+            except httpx.TransportError:
+                if t.server is None:
+                    raise
+                return None  # _reload_one restarts it
+            return time.perf_counter() - t0
+
+    def _reload_one(self, t: _Target, pause_s: float | None, version: int) -> dict[str, float]:
+        with t.lock:
+            if pause_s is None:
+                if t.server is not None and not t.server.alive():
+                    if not self.restart_dead_servers:
+                        raise VLLMError(
+                            f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
+                            "restart_dead_servers=False"
+                        )
+                    t.server.restart(self.export_dir)  # starts directly on the new weights
+                t0 = time.perf_counter()
+                self._post(t, "/pause", params={"mode": "wait"})
+                pause_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             self._post(
                 t,
@@ -410,6 +442,7 @@ class VLLMSampler:
                 json={"method": "reload_weights", "kwargs": {"weights_path": self.export_dir}},
             )
             t2 = time.perf_counter()
+            # Without this, prompts cached before the update keep their old-weight KV blocks.
             for _ in range(20):
                 if self._post(t, "/reset_prefix_cache").json().get("success", False):
                     break
@@ -428,14 +461,13 @@ class VLLMSampler:
                     f"expected {str(version)!r}"
                 )
             t5 = time.perf_counter()
-            times.update(
-                pause_s=t1 - t0,
-                reload_s=t2 - t1,
-                reset_s=t3 - t2,
-                resume_s=t4 - t3,
-                confirm_s=t5 - t4,
-            )
-            return times
+            return {
+                "pause_s": pause_s,
+                "reload_s": t2 - t1,
+                "reset_s": t3 - t2,
+                "resume_s": t4 - t3,
+                "confirm_s": t5 - t4,
+            }
 
     def live_versions(self) -> list[str | None]:
         """The weight version each server reports (``GET /weight_info``)."""

@@ -104,19 +104,25 @@ def random_params(cfg, seed: int):
     """(graphdef, params) of a jaxrlvr Qwen2 whose every tensor (biases and norms included) is
     randomised, with weights large enough that next-token distributions are far from uniform."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from jaxrlvr import model as jmodel
 
-    graphdef, params = nnx.split(jmodel.init_model(cfg, seed=seed), nnx.Param)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1000), len(leaves))
-    new = []
-    for k, x in zip(keys, leaves, strict=True):
-        # Kernels/embeddings: std 0.2; biases and norm scales: +-0.1 around their init.
-        std = 0.2 if x.size > 4096 else 0.1
-        new.append(x + std * jax.random.normal(k, x.shape, x.dtype))
-    return graphdef, jax.tree.unflatten(treedef, new)
+    # Shapes only (no init compute), then NumPy draws: much cheaper than an eager random init.
+    abstract = nnx.eval_shape(lambda: jmodel.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+
+    def draw(path, x):
+        name = jax.tree_util.keystr(path)
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        if "norm" in name:  # RMSNorm scales around 1
+            return jnp.asarray(1.0 + 0.1 * noise)
+        return jnp.asarray((0.1 if "bias" in name else 0.2) * noise)
+
+    return graphdef, jax.tree.unflatten(treedef, [draw(path, x) for path, x in leaves])
 
 
 def reference_logprobs(graphdef, params, prompts, completions, temperature=1.0, top_k=0):

@@ -5,6 +5,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 import safetensors.numpy
 from flax import nnx
 
@@ -12,9 +13,17 @@ from jaxrlvr import model as jmodel
 from jaxrlvr.sampling import weight_export
 
 
-def test_export_writes_hf_named_tensors_that_load_back_exactly(tmp_path, helpers):
+@pytest.fixture(scope="module")
+def tiny(helpers):
+    """The tiny config and two different random parameter sets (built once: init compiles)."""
     cfg = helpers.tiny_model_config()
-    graphdef, params = helpers.random_params(cfg, seed=3)
+    _, first = helpers.random_params(cfg, seed=1)
+    _, second = helpers.random_params(cfg, seed=2)
+    return cfg, first, second
+
+
+def test_export_writes_hf_named_tensors_that_load_back_exactly(tmp_path, tiny):
+    cfg, params, _ = tiny
     timings = weight_export.export_weights(cfg, params, tmp_path)
 
     files = sorted(os.listdir(tmp_path))
@@ -40,10 +49,8 @@ def test_export_writes_hf_named_tensors_that_load_back_exactly(tmp_path, helpers
     ]
 
 
-def test_second_export_replaces_the_weights(tmp_path, helpers):
-    cfg = helpers.tiny_model_config()
-    _, first = helpers.random_params(cfg, seed=1)
-    _, second = helpers.random_params(cfg, seed=2)
+def test_second_export_replaces_the_weights(tmp_path, tiny):
+    cfg, first, second = tiny
     weight_export.export_weights(cfg, first, tmp_path)
     weight_export.export_weights(cfg, second, tmp_path)
     written = safetensors.numpy.load_file(tmp_path / "model.safetensors")
