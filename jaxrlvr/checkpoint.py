@@ -182,6 +182,22 @@ class Checkpointer:
         )
         return restored[_STATE], restored[_EXTRA]
 
+    def restore_extra(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """Reads only the JSON ``extra`` of checkpoint ``step`` (None: the newest): the caller
+        learns what the state looks like (e.g. its training phase) before restoring it."""
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory} (have {steps})"
+            )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_EXTRA: ocp.args.JsonRestore()})
+        )
+        return step, restored[_EXTRA]
+
     def close(self) -> None:
         """Waits for pending work and releases orbax's resources."""
         if self._manager is not None:

@@ -1,0 +1,219 @@
+"""The training run's configuration: one frozen dataclass per concern, composed by ``TrainConfig``.
+
+YAML files in configs/ fill these classes (through ``configlib``); ``key=value`` overrides on the
+command line use the same dotted paths (``rl.group_size=8``). Sections reuse the library's own
+config classes where one exists (``PolicyLossConfig``, ``AdvantageConfig``, ``OptimizerConfig``,
+``MeshConfig``, ``DistributedConfig``) rather than re-declaring their fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrlvr import configlib
+from jaxrlvr.algos import loss_config
+from jaxrlvr.algos.optim import OptimizerConfig
+from jaxrlvr.data.synthetic import SyntheticConfig
+from jaxrlvr.distributed import DistributedConfig
+from jaxrlvr.model.sharding import MeshConfig
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where the run writes, and its seed."""
+
+    out_dir: str = "runs/run"
+    seed: int = 0
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """The policy: a Hugging Face checkpoint (``path``) or a random Qwen2 of the given shape.
+
+    ``tokenizer``: a tokenizer directory, or "char" for jaxrlvr's local character tokenizer
+    (the demo's); defaults to ``path``.
+    """
+
+    path: str | None = None
+    tokenizer: str | None = None
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: bool = False
+    # Shape of a randomly initialised model (used when ``path`` is None).
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.path is None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required when model.path is not set")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """Problems with checkable answers.
+
+    ``train`` / ``eval``: "synthetic" (the seeded arithmetic task), a local jsonl/parquet file, or
+    a hub dataset name. ``template``: the prompt template. ``gold_format``: the completion an SFT
+    warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer.
+    """
+
+    train: str = "synthetic"
+    eval: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+    question_field: str = "problem"
+    answer_field: str | None = "answer"
+    solution_field: str | None = "solution"
+    on_bad_row: Literal["skip", "raise"] = "skip"
+    template: Literal["r1_zero", "question_only", "chat"] = "r1_zero"
+    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+    synthetic_train_size: int = 2000
+    synthetic_eval_size: int = 200
+    gold_format: str = " <answer>{answer}</answer>"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSection:
+    fn: Literal["r1_zero", "question_only", "gsm8k", "synthetic"] = "r1_zero"
+    format_weight: float = 0.0
+    timeout_s: float = 5.0
+    num_workers: int = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSection:
+    """Rollouts: the embedded JAX sampler or vLLM servers (``vllm_urls``, or one jaxrlvr starts
+    with ``vllm_python``)."""
+
+    kind: Literal["jax", "vllm"] = "jax"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ("</answer>",)
+    thinking_budget: int | None = None
+    eval_temperature: float = 0.0
+    eval_max_tokens: int | None = None
+    vllm_urls: tuple[str, ...] = ()
+    vllm_python: str | None = None
+    vllm_max_model_len: int = 2048
+    vllm_restart: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTSection:
+    """Supervised warm start (or the whole run when ``rl.algo`` is "none").
+
+    ``data``: "gold" (train problems with their reference completions) or a jsonl file with
+    prompt/response fields.
+    """
+
+    steps: int = 0
+    batch_size: int = 32
+    microbatches: int = 1
+    data: str = "gold"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    optim: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOSection:
+    """PPO's own settings (``algos.updates.PPOUpdateConfig``); the policy loss is ``rl.loss``."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.1
+    normalize_advantages: bool = True
+    trunk: Literal["shared", "detached"] = "shared"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLSection:
+    """The RL phase: algorithm, batch shape, estimators and the field's data-side options."""
+
+    algo: Literal["grpo", "ppo", "expert_iteration", "none"] = "grpo"
+    steps: int = 100
+    prompts_per_step: int = 32
+    group_size: int = 8
+    epochs_per_step: int = 1
+    microbatches: int = 1
+    advantage: loss_config.AdvantageConfig = dataclasses.field(
+        default_factory=loss_config.AdvantageConfig
+    )
+    loss: loss_config.PolicyLossConfig = dataclasses.field(
+        default_factory=loss_config.PolicyLossConfig
+    )
+    ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+    drop_zero_variance_groups: bool = False
+    difficulty_filter: bool = False
+    difficulty_filter_k: int = 4
+    curriculum: bool = False
+    length_reward_weight: float = 0.0
+    length_reward_from_step: int = 0
+    overlong_cache_len: int | None = None
+    mask_forced_tokens: bool = True
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def __post_init__(self):
+        for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
+            if getattr(self, key) < (0 if key == "steps" else 1):
+                raise ValueError(f"{key}={getattr(self, key)!r} must be positive")
+        if self.algo == "grpo" and self.group_size < 2:
+            raise ValueError(
+                f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    every: int = 10
+    max_problems: int = 200
+    at_start: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    every: int = 10
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelSection = dataclasses.field(default_factory=lambda: ModelSection(tokenizer="char"))
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    sampler: SamplerSection = dataclasses.field(default_factory=SamplerSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    rl: RLSection = dataclasses.field(default_factory=RLSection)
+    optim: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig())
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+
+
+def load_config(path: str | None, overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
+    """Reads a YAML config and applies dotted ``key=value`` overrides."""
+    data = configlib.load_yaml(path) if path else {}
+    data = configlib.apply_overrides(data, overrides)
+    return configlib.build(TrainConfig, data)
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    return configlib.to_dict(cfg)
