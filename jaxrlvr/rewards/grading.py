@@ -8,8 +8,10 @@ exceptions also score zero. Both are counted in ``GradingStats`` and never end t
 Why processes and not threads or SIGALRM: the trainer's process holds JAX threads, signals only
 reach the main thread, and a thread stuck in sympy cannot be stopped. Workers are started with the
 ``forkserver`` (default) or ``spawn`` method, never ``fork``, so they inherit none of the parent's
-JAX state. As with any such pool, a script that creates one needs an
-``if __name__ == "__main__":`` guard.
+JAX state. As with any spawn/forkserver pool, each worker re-imports the parent's main module:
+a script that creates a pool needs an ``if __name__ == "__main__":`` guard, and whatever that
+module imports at top level (JAX included) is imported by the workers too (it fits in the default
+4 GiB worker memory limit, but costs start-up time).
 
 The reward function is pickled to the workers with each call: it must be a module-level function
 or a ``functools.partial`` of one. Left out: retries (a timed-out pair simply scores zero).

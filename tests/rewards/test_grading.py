@@ -4,6 +4,8 @@ The helper reward functions below live at module level so the worker processes c
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -152,3 +154,23 @@ def test_stats_metrics():
         "grading/errors": 2.0,
         "grading/seconds": 0.5,
     }
+
+
+def test_pool_starts_from_a_parent_running_jax():
+    # The trainer's process holds JAX's threads; the workers must not be forked from it.
+    import jax.numpy as jnp
+
+    assert float(jnp.arange(4.0).sum()) == 6.0
+    with grading.GradingPool(num_workers=1, timeout_s=30.0) as pool:
+        scores, stats = pool.grade(rewards.r1_zero_reward_fn, [" </think> <answer>6</answer>"], [6])
+    assert scores[0]["reward"] == 1.0 and stats.errors == 0
+
+
+def test_rewards_and_data_do_not_import_jax():
+    code = (
+        "import sys\n"
+        "import jaxrlvr.rewards, jaxrlvr.data, jaxrlvr.data.tokenizer\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
