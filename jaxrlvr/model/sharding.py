@@ -122,7 +122,7 @@ def _is_variable(x) -> bool:
 
 
 def param_partition_specs(params: nnx.State, mesh: Mesh | None = None) -> nnx.State:
-    """PartitionSpec per parameter, from its ``logical_axes`` metadata (a State of PartitionSpecs)."""
+    """PartitionSpec per parameter from its ``logical_axes`` metadata (a State of specs)."""
 
     def spec(v):
         axes = v.get_metadata().get("logical_axes")

@@ -1,4 +1,4 @@
-"""Hugging Face weight I/O: exact round trip, sharded checkpoints, and one-line errors on bad input."""
+"""Hugging Face weight I/O: exact round trip, sharded checkpoints, one-line errors on bad input."""
 
 import json
 import pathlib
