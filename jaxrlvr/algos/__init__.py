@@ -41,3 +41,50 @@ __all__ = [
     "sft_microbatch_loss",
     "tokenize_prompt_and_output",
 ]
+
+# The update machinery (TrainState, optimiser, batches, update factories, value head, jit
+# wrapper): ``from jaxrlvr.algos import updates`` etc.; the main names are re-exported here.
+from jaxrlvr.algos.batch import Batch, BatchError, BatchSpec, validate_batch  # noqa: E402
+from jaxrlvr.algos.optim import OptimizerConfig, make_optimizer, make_schedule  # noqa: E402
+from jaxrlvr.algos.state import TrainState  # noqa: E402
+from jaxrlvr.algos.step import (  # noqa: E402
+    batch_shardings,
+    jit_update,
+    shard_batch,
+    shard_state,
+    state_shardings,
+)
+from jaxrlvr.algos.updates import (  # noqa: E402
+    GRPOUpdateConfig,
+    PPOUpdateConfig,
+    SFTUpdateConfig,
+    make_expert_iteration_update,
+    make_grpo_update,
+    make_logprob_fn,
+    make_ppo_update,
+    make_sft_update,
+)
+
+__all__ += [
+    "Batch",
+    "BatchError",
+    "BatchSpec",
+    "GRPOUpdateConfig",
+    "OptimizerConfig",
+    "PPOUpdateConfig",
+    "SFTUpdateConfig",
+    "TrainState",
+    "batch_shardings",
+    "jit_update",
+    "make_expert_iteration_update",
+    "make_grpo_update",
+    "make_logprob_fn",
+    "make_optimizer",
+    "make_ppo_update",
+    "make_schedule",
+    "make_sft_update",
+    "shard_batch",
+    "shard_state",
+    "state_shardings",
+    "validate_batch",
+]

@@ -1,4 +1,4 @@
-"""The optimiser of every update: global-norm clipping, AdamW and a warmup + constant/cosine schedule.
+"""The optimiser of every update: global-norm clipping, AdamW, warmup + constant or cosine decay.
 
 ``make_optimizer(cfg)`` builds the optax chain ``clip_by_global_norm -> adamw(schedule)``; the
 optimiser state follows the parameters' dtype and tree (float32 master weights give float32

@@ -31,7 +31,7 @@ OnNonfinite = Literal["skip", "raise"]
 
 
 class NonFiniteUpdateError(FloatingPointError):
-    """Raised by a ``jit_update(on_nonfinite="raise")`` step whose loss or gradient was not finite."""
+    """A ``jit_update(on_nonfinite="raise")`` step whose loss or gradient was not finite."""
 
 
 def _is_variable(x: Any) -> bool:
