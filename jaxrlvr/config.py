@@ -9,6 +9,7 @@ config classes where one exists (``PolicyLossConfig``, ``AdvantageConfig``, ``Op
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 from jaxrlvr import configlib
@@ -208,9 +209,25 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
 
 
+def load_config_dict(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """A YAML config as a dict; a top-level ``base: other.yaml`` (relative to the file) is loaded
+    first and this file's sections are merged over it, key by key."""
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise configlib.ConfigKeyError(f"{path}: circular 'base' chain")
+    data = configlib.load_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise configlib.ConfigKeyError(f"{path}: base={base!r}: expected a file name")
+    parent = load_config_dict(os.path.join(os.path.dirname(path), base), (*_seen, path))
+    return configlib.deep_merge(parent, data)
+
+
 def load_config(path: str | None, overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
-    """Reads a YAML config and applies dotted ``key=value`` overrides."""
-    data = configlib.load_yaml(path) if path else {}
+    """Reads a YAML config (with its ``base`` chain) and applies dotted ``key=value`` overrides."""
+    data = load_config_dict(path) if path else {}
     data = configlib.apply_overrides(data, overrides)
     return configlib.build(TrainConfig, data)
 

@@ -167,6 +167,17 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return data
 
 
+def deep_merge(base: dict, over: dict) -> dict:
+    """``over`` merged into a copy of ``base``; nested mappings merge, everything else replaces."""
+    out = _deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = _deepcopy(value)
+    return out
+
+
 def _deepcopy(d):
     if isinstance(d, dict):
         return {k: _deepcopy(v) for k, v in d.items()}
