@@ -14,6 +14,8 @@ Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 us
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -211,6 +213,26 @@ def _decoder_layer(
     return x, k_cache, v_cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index):
+    """All decoder layers by ``lax.scan`` over the stacked parameters.
+
+    Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
+    call compiles the layer stack once per shape instead of retracing the scan every call; inside
+    an outer ``jit`` it is simply inlined.
+    """
+
+    def body(x, xs):
+        layer_state, k_l, v_l = xs
+        layer = nnx.merge(graphdef, layer_state)
+        x, k_l, v_l = _decoder_layer(layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh)
+        return x, (k_l, v_l)
+
+    if cfg.remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+
+
 class Qwen2ForCausalLM(nnx.Module):
     """Qwen2 causal LM. ``model(input_ids, attention_mask, position_ids)`` -> logits [B, T, V].
 
@@ -267,19 +289,10 @@ class Qwen2ForCausalLM(nnx.Module):
         cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta)
 
         graphdef, stacked = nnx.split(self.model.layers)
-
-        def body(x, xs):
-            layer_state, k_l, v_l = xs
-            layer = nnx.merge(graphdef, layer_state)
-            x, k_l, v_l = _decoder_layer(
-                layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh
-            )
-            return x, (k_l, v_l)
-
-        if cfg.remat:
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
-        x, (k_new, v_new) = jax.lax.scan(body, x, (stacked, *kv_in))
+        x, (k_new, v_new) = _run_layers(
+            graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, *kv_in, cache_index
+        )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
         return x, new_cache

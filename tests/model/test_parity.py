@@ -40,9 +40,17 @@ def test_tied_checkpoint_has_no_lm_head(loaded):
     assert not loaded["untied"].config.tie_word_embeddings
 
 
-def test_no_mask_eager(pair):
-    # The plain eager call (no jit) once, with all defaults.
+def test_no_mask(pair):
     lm, torch_model = pair
+    ids = helpers.random_ids(B, T, seed=1)
+    out = helpers.forward(lm, ids)
+    ref = helpers.torch_logits(torch_model, ids)
+    np.testing.assert_allclose(out, ref, atol=F32_ATOL, rtol=0)
+
+
+def test_eager_call(loaded, hf_untied):
+    # The plain eager call (no jit by the caller), with all defaults.
+    lm, torch_model = loaded["untied"], hf_untied.torch_model
     ids = helpers.random_ids(B, T, seed=1)
     out = np.asarray(lm(jnp.asarray(ids)))
     ref = helpers.torch_logits(torch_model, ids)
