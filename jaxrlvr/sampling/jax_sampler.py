@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrlvr import model as M
+from jaxrlvr.model import qwen2, sharding
 from jaxrlvr.sampling import base, sample_ops
 
 DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024)
@@ -102,7 +103,8 @@ class _Loop:
     """The decode loop's carry (a pytree via `jax.tree_util.register_dataclass`)."""
 
     t: jax.Array  # index of the next token to emit
-    cache: M.KVCache
+    ks: tuple  # per layer, keys [B, K, H, S]
+    vs: tuple  # per layer, values [B, K, S, H]
     token_b: jax.Array  # last emitted token
     tokens_bg: jax.Array
     logp_bg: jax.Array
@@ -167,9 +169,97 @@ def _emit(st: _Loop, logits_bv, key, inputs: dict, s: _Static) -> _Loop:
     )
 
 
-def _cache_spec(cfg: M.ModelConfig, shape, mesh):
-    axes = ("layers", "batch", "seq", "kv_heads", "head_dim")
-    return NamedSharding(mesh, M.logical_to_pspec(axes, shape, mesh))
+def _cache_specs(shape_k, shape_v, mesh):
+    """Shardings of one layer's decode cache: k [B, K, H, S], v [B, K, S, H]."""
+    k_axes = ("batch", "kv_heads", "head_dim", "seq")
+    v_axes = ("batch", "kv_heads", "seq", "head_dim")
+    return (
+        NamedSharding(mesh, M.logical_to_pspec(k_axes, shape_k, mesh)),
+        NamedSharding(mesh, M.logical_to_pspec(v_axes, shape_v, mesh)),
+    )
+
+
+def _rms(x, weight, eps, dtype):
+    """The model's RMSNorm (float32 statistics, weight applied in the compute dtype)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * x32.astype(dtype)
+
+
+def _proj(p, spec, y, dtype):
+    out = jnp.einsum(spec, y, p["kernel"].astype(dtype))
+    return out if "bias" not in p else out + p["bias"].astype(dtype)
+
+
+def decode_layer(cfg: M.ModelConfig, p, x_bd, cos, sin, attend_bs, k_bkhs, v_bksh, slot, mesh):
+    """One decoder layer for one new token per row, reading and writing a decode cache.
+
+    The math is the model's (`qwen2._decoder_layer`); only the attention differs in form. With
+    one query per row, attention is a matrix-vector product per (row, kv head), which XLA's CPU
+    backend runs far faster as a fused multiply-reduce than as ~B*K tiny batched matmuls, and the
+    cache layouts k [B, K, H, S] / v [B, K, S, H] keep the contiguous axis the one that is NOT
+    reduced in each product, so both reductions vectorise.
+
+    Args:
+      p: one layer's parameters (pure dict, unstacked).
+      x_bd: [B, D] hidden states; cos/sin [B, 1, H] rotary tables of the new positions.
+      attend_bs: [B, S] bool, slots this token attends to (its own slot included).
+      k_bkhs, v_bksh: this layer's cache; the new key/value are written at `slot`.
+    """
+    dtype = cfg.compute_dtype
+    a, m = p["self_attn"], p["mlp"]
+    b, kh, hd = x_bd.shape[0], cfg.num_key_value_heads, cfg.head_dim
+    h = _rms(x_bd, p["input_layernorm"]["weight"], cfg.rms_norm_eps, dtype)
+    q = qwen2.apply_rotary(_proj(a["q_proj"], "BD,DNH->BNH", h, dtype)[:, None], cos, sin)[:, 0]
+    k = qwen2.apply_rotary(_proj(a["k_proj"], "BD,DKH->BKH", h, dtype)[:, None], cos, sin)[:, 0]
+    v = _proj(a["v_proj"], "BD,DKH->BKH", h, dtype)
+    k_bkhs = jax.lax.dynamic_update_slice_in_dim(
+        k_bkhs, k[..., None].astype(k_bkhs.dtype), slot, axis=3
+    )
+    v_bksh = jax.lax.dynamic_update_slice_in_dim(
+        v_bksh, v[:, :, None].astype(v_bksh.dtype), slot, axis=2
+    )
+    q = q.reshape(b, kh, cfg.num_groups, hd).astype(jnp.float32)
+    # scores [B, K, G, S] = sum_H q * k, reducing over the middle axis of k [B, K, H, S].
+    scores = jnp.sum(q[..., None] * k_bkhs[:, :, None].astype(jnp.float32), axis=3)
+    scores = scores * (hd**-0.5)
+    scores = jnp.where(attend_bs[:, None, None, :], scores, qwen2._MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # out [B, K, G, H] = sum_S probs * v, reducing over the middle axis of v [B, K, S, H].
+    out = jnp.sum(probs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)
+    out = out.reshape(b, cfg.num_attention_heads, hd).astype(dtype)
+    x_bd = x_bd + jnp.einsum("BNH,NHD->BD", out, a["o_proj"]["kernel"].astype(dtype))
+    x_bd = sharding.constrain(x_bd, ("batch", "embed"), mesh)
+    h = _rms(x_bd, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, dtype)
+    gate = jnp.einsum("BD,DF->BF", h, m["gate_proj"]["kernel"].astype(dtype))
+    up = jnp.einsum("BD,DF->BF", h, m["up_proj"]["kernel"].astype(dtype))
+    act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "mlp"), mesh)
+    x_bd = x_bd + jnp.einsum("BF,FD->BD", act, m["down_proj"]["kernel"].astype(dtype))
+    x_bd = sharding.constrain(x_bd, ("batch", "embed"), mesh)
+    return x_bd, k_bkhs, v_bksh
+
+
+def decode_step(cfg, mesh, p, layers, token_b, pos_b, slot, attend_bs, ks, vs):
+    """Logits [B, V] float32 of the next token after `token_b` (at positions `pos_b`, written
+    at cache `slot`), and the updated per-layer caches."""
+    dtype = cfg.compute_dtype
+    x = jnp.take(p["model"]["embed_tokens"]["embedding"], token_b, axis=0).astype(dtype)
+    x = sharding.constrain(x, ("batch", "embed"), mesh)
+    cos, sin = qwen2.rotary_tables(pos_b[:, None], cfg.head_dim, cfg.rope_theta)
+    new_ks, new_vs = [], []
+    for layer, k, v in zip(layers, ks, vs):
+        x, k, v = decode_layer(cfg, layer, x, cos, sin, attend_bs, k, v, slot, mesh)
+        new_ks.append(k)
+        new_vs.append(v)
+    x = _rms(x, p["model"]["norm"]["weight"], cfg.rms_norm_eps, dtype)
+    if cfg.tie_word_embeddings:
+        w = p["model"]["embed_tokens"]["embedding"].astype(dtype)
+        logits = jnp.einsum("BD,VD->BV", x, w, preferred_element_type=jnp.float32)
+    else:
+        w = p["lm_head"]["kernel"].astype(dtype)
+        logits = jnp.einsum("BD,DV->BV", x, w, preferred_element_type=jnp.float32)
+    logits = sharding.constrain(logits.astype(jnp.float32), ("batch", "vocab"), mesh)
+    return logits, tuple(new_ks), tuple(new_vs)
 
 
 def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh, s: _Static):
@@ -191,21 +281,39 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
     ids, pos, pvalid = inputs["prompt_ids"], inputs["prompt_pos"], inputs["prompt_valid"]
     b, p = ids.shape
     g = s.gen_len
-    cache = M.init_cache(cfg, b, p + g)
-    if mesh is not None:
-        spec = _cache_spec(cfg, cache.k.shape, mesh)
-        cache = jax.lax.with_sharding_constraint(cache, M.KVCache(k=spec, v=spec))
-    # Slots after the prompt are all marked valid once: causality by slot index hides the ones
-    # not written yet, so the mask never needs a per-step update.
-    valid_bs = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
-    hidden, cache = lm.backbone(ids, valid_bs, pos, cache=cache, cache_index=0)
+    total = p + g
+    # Prefill with the model itself (its own [L, B, P, K, H] cache), logits of the last position.
+    cache = M.init_cache(cfg, b, p)
+    hidden, cache = lm.backbone(ids, pvalid, pos, cache=cache, cache_index=0)
     logits = lm.lm_logits(hidden[:, -1:])[:, 0]
+
+    # Decode caches, one per layer, in the layouts `decode_layer` reads fastest.
+    pad = ((0, 0), (0, 0), (0, 0), (0, g))
+    ks = tuple(jnp.pad(cache.k[i].transpose(0, 2, 3, 1), pad) for i in range(cfg.num_hidden_layers))
+    vs = tuple(
+        jnp.pad(cache.v[i].transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, g), (0, 0)))
+        for i in range(cfg.num_hidden_layers)
+    )
+    if mesh is not None:
+        k_spec, v_spec = _cache_specs(ks[0].shape, vs[0].shape, mesh)
+        ks = tuple(jax.lax.with_sharding_constraint(k, k_spec) for k in ks)
+        vs = tuple(jax.lax.with_sharding_constraint(v, v_spec) for v in vs)
+    pure = nnx.to_pure_dict(params)
+    # Per-layer parameter slices, taken once outside the loop.
+    layers = [
+        jax.tree.map(lambda w, i=i: w[i], pure["model"]["layers"])
+        for i in range(cfg.num_hidden_layers)
+    ]
+    # Slots after the prompt are all valid; causality (slot <= current) hides the unwritten ones.
+    valid_bs = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
+    slots = jnp.arange(total)
     next_pos = pos[:, -1] + 1  # position of the first generated token
 
     done0 = ~inputs["row_valid"]
     st = _Loop(
         t=jnp.zeros((), jnp.int32),
-        cache=cache,
+        ks=ks,
+        vs=vs,
         token_b=jnp.zeros((b,), jnp.int32),
         tokens_bg=jnp.zeros((b, g), jnp.int32),
         logp_bg=jnp.zeros((b, g), jnp.float32),
@@ -223,14 +331,12 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
 
     def body(st: _Loop):
         prev = st.t - 1  # the token being fed sits at slot p + prev
-        logits, cache = lm(
-            st.token_b[:, None],
-            attention_mask=valid_bs,
-            position_ids=(next_pos + prev)[:, None],
-            cache=st.cache,
-            cache_index=p + prev,
+        slot = p + prev
+        attend = valid_bs & (slots <= slot)[None, :]
+        logits, ks, vs = decode_step(
+            cfg, mesh, pure, layers, st.token_b, next_pos + prev, slot, attend, st.ks, st.vs
         )
-        return _emit(dataclasses.replace(st, cache=cache), logits[:, 0], key, inputs, s)
+        return _emit(dataclasses.replace(st, ks=ks, vs=vs), logits, key, inputs, s)
 
     st = jax.lax.while_loop(cond, body, st)
     return st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b, st.forcing_b
