@@ -24,7 +24,9 @@ from jaxrlvr.algos import loss_config
 
 
 def loss_denominator(mask_bt: jax.Array, cfg: loss_config.PolicyLossConfig) -> jax.Array:
-    """The global denominator of ``cfg.aggregation`` for the full batch, float32 scalar.
+    """The global denominator of ``cfg.aggregation`` for the full batch, float32 scalar
+    (token count: DAPO, Yu et al. 2025; B: GRPO, Shao et al. 2024; B * C: Dr. GRPO, Liu et al.
+    2025).
 
     token_mean: max(sum(mask), 1); seq_mean_token_mean and seq_mean_token_sum: B;
     seq_mean_token_sum_norm: B * norm_constant (Dr. GRPO).
@@ -53,7 +55,7 @@ def aggregate(
     cfg: loss_config.PolicyLossConfig,
     denominator: jax.Array | float,
 ) -> jax.Array:
-    """This microbatch's contribution to the aggregated loss (see the module docstring).
+    """This microbatch's contribution to the aggregated loss (DAPO / GRPO / Dr. GRPO modes).
 
     token_mean and the seq_mean_token_sum modes: sum_bt(m * l) / denominator;
     seq_mean_token_mean: sum_b(sum_t(m * l) / max(sum_t m, 1)) / denominator.

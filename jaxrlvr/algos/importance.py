@@ -63,7 +63,7 @@ def tis_metrics(
     weights_bt: jax.Array,
     truncated_bt: jax.Array,
 ) -> dict[str, jax.Array]:
-    """Microbatch-summable TIS diagnostics over valid tokens.
+    """Microbatch-summable TIS diagnostics over valid tokens (Yao et al. 2025).
 
     ``tis_weight_sum``, ``tis_truncated_sum`` and ``logp_diff_abs_sum`` are token sums (divide by
     the summed token count); ``logp_diff_abs_max`` is a max (combine with max). The log-prob

@@ -31,7 +31,7 @@ def _mask_f32(mask: jax.Array) -> jax.Array:
 
 
 def masked_mean(values: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
-    """Mean of ``values`` over the entries where ``mask`` is set.
+    """Mean of ``values`` over the entries where ``mask`` is set (CS336 assignment 5).
 
     masked_mean = sum(values * mask, axis) / sum(mask, axis). A slice with no valid entry gives
     NaN (0/0), exactly as the PyTorch reference; it is not hidden.
@@ -91,7 +91,7 @@ def get_response_log_probs(
     labels: jax.Array,
     return_token_entropy: bool = False,
 ) -> dict[str, jax.Array]:
-    """Per-token log-probabilities of ``labels`` under ``logits`` (and optionally the entropy).
+    """Per-token log-probabilities of ``labels`` under ``logits`` (CS336 assignment 5).
 
     log_probs[b, t] = log_softmax(logits)[b, t, labels[b, t]] = z[labels] - logsumexp(z);
     labels are already shifted (label t is the token after input t). Only the gathered values
@@ -120,7 +120,7 @@ def tokenize_prompt_and_output(
     output_strs: Sequence[str],
     tokenizer: Any,
 ) -> dict[str, jax.Array]:
-    """Tokenise prompt/output pairs for next-token training (host-side, any HF tokenizer).
+    """Tokenise prompt/output pairs for next-token training (CS336 assignment 5; host-side).
 
     Prompt and output are tokenised separately without special tokens, concatenated and
     right-padded with ``tokenizer.pad_token_id`` to the longest pair. With full [B, L]:

@@ -20,8 +20,8 @@ scalar and its key says how to combine it:
   - keys ending in ``_sum`` are sums over valid tokens; ``token_count`` is the number of valid
     tokens: add them, then divide (``finalize_metrics`` does it, giving the ``_sum``-less name).
   - keys ending in ``_max`` / ``_min`` combine with max / min.
-``accumulate_metrics`` and ``finalize_metrics`` implement this; the key set depends only on the
-config, never on which optional inputs were given (absent ones report 0).
+``metrics_identity``, ``accumulate_metrics`` and ``finalize_metrics`` implement this; the key set
+depends only on the config, never on which optional inputs were given (absent ones report 0).
 
 Not here: advantages (``advantages``), the model forward, and truncation masking (the caller
 passes a mask from ``shaping.mask_truncated_completions``).
@@ -183,6 +183,19 @@ def accumulate_metrics(
             out[key] = jnp.minimum(acc[key], value)
         else:
             out[key] = acc[key] + value
+    return out
+
+
+def metrics_identity(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The neutral element of ``accumulate_metrics`` for metrics shaped like ``metrics``.
+
+    0 for summed keys, -inf for ``_max``, +inf for ``_min``: a ready ``lax.scan`` carry init
+    (``metrics`` may be the output of ``jax.eval_shape`` on ``policy_loss``).
+    """
+    out = {}
+    for key, value in metrics.items():
+        fill = -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min") else 0.0
+        out[key] = jnp.full(jnp.shape(value), fill, _f32)
     return out
 
 

@@ -28,6 +28,10 @@ def _loop_gae(r, v, m, gamma, lam):
     return adv, np.where(m, adv + v, 0.0)
 
 
+# gamma and lam traced: one compilation for all examples (eager scan recompiles every call).
+_gae_jit = jax.jit(gae.compute_gae)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(0, 2**31 - 1),
@@ -44,7 +48,7 @@ def test_scan_matches_loop(seed, gamma, lam, holes):
     m = np.arange(t)[None, :] < lengths[:, None]
     if holes:
         m &= rng.random((b, t)) > 0.3
-    adv, ret = gae.compute_gae(r, v, m, gamma, lam)
+    adv, ret = _gae_jit(r, v, m, gamma, lam)
     want_adv, want_ret = _loop_gae(r, v, m, gamma, lam)
     np.testing.assert_allclose(adv, want_adv, RTOL, ATOL)
     np.testing.assert_allclose(ret, want_ret, RTOL, ATOL)

@@ -225,7 +225,7 @@ def test_one_vs_four_microbatches_full_objective(mode):
     d = _batch(5, gap=0.4)
     den = aggregation.loss_denominator(d["mask"], cfg)
     full = jax.grad(lambda x: _run(d, cfg, lp=x, den=den)[0])(jnp.asarray(d["lp"]))
-    parts, acc = [], None
+    parts, acc = [], policy_loss.metrics_identity(_run(d, cfg, den=den)[1])
     for idx in np.split(np.arange(8), 4):
         dm = {k: v[idx] for k, v in d.items()}
         parts.append(jax.grad(lambda x, dm=dm: _run(dm, cfg, lp=x, den=den)[0])(dm["lp"]))
