@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 _STATE = "state"
@@ -181,6 +182,15 @@ class Checkpointer:
             ),
         )
         return restored[_STATE], restored[_EXTRA]
+
+    def read_arrays(self, step: int | None = None) -> dict[str, Any]:
+        """The saved state as nested dicts of host arrays, with no target shardings: for
+        inspection and tests on one host. Training resumes with :meth:`restore`."""
+        step, _ = self.restore_extra(step)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore()})
+        )
+        return jax.tree.map(np.asarray, restored[_STATE])
 
     def restore_extra(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """Reads only the JSON ``extra`` of checkpoint ``step`` (None: the newest): the caller

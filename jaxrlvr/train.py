@@ -30,7 +30,8 @@ from flax import nnx
 
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, metrics as metrics_lib, rollout
+from jaxrlvr import configlib, rollout
+from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import loss_config, optim, updates, value
@@ -98,6 +99,9 @@ def load_splits(cfg: config_lib.TrainConfig) -> tuple[list[loading.Problem], lis
         return train, held_out
 
     def load(path, split):
+        local = os.sep in path or path.endswith((".jsonl", ".json", ".parquet"))
+        if local and not os.path.exists(path):
+            raise FileNotFoundError(f"data file {path!r} not found")
         data_cfg = loading.DataConfig(
             path=path,
             split=split,

@@ -1,0 +1,141 @@
+"""Reward-grading throughput: responses graded per second, in process and with ``GradingPool``.
+
+Workloads (built from the shipped samples and the synthetic task, seeded):
+- ``r1_zero_math``: R1-Zero responses to the MATH-style samples, each with ~1,500 characters of
+  "reasoning" and an answer that is right (in the gold's form or an equivalent one), wrong (a
+  random number, so sympy's caches rarely hit), or ill-formed, in proportions 4:4:2.
+- ``gsm8k``: GSM8K-style responses ending in a right or wrong number.
+- ``synthetic``: short answers to the synthetic arithmetic task.
+
+For each workload it reports the in-process serial rate (``grade_in_process``, no deadline) and
+the pool rate (``GradingPool(num_workers, timeout_s)``; worker start-up excluded and reported on
+its own). Not a test: numbers are for the closing note and for spotting regressions by eye.
+
+Usage: python benchmarks/bench_rewards.py [--n 600] [--workers 2] [--timeout 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+from jaxrlvr import data, rewards
+from jaxrlvr.data import synthetic
+from jaxrlvr.rewards import grading, math_equiv
+
+_FILLER = "Let me think about this step by step. We rewrite the expression and simplify. " * 20
+
+
+def _math_workload(n: int, rng: random.Random):
+    problems, _ = data.load_problems(data.DataConfig.math(data.sample_path("math_sample.jsonl")))
+    responses, truths = [], []
+    for i in range(n):
+        p = problems[i % len(problems)]
+        kind = rng.random()
+        if kind < 0.4:
+            answer = p.answer if rng.random() < 0.5 else f"\\boxed{{{p.answer}}}"
+        elif kind < 0.8:
+            answer = f"\\frac{{{rng.randint(1, 10_000)}}}{{{rng.randint(2, 97)}}}"
+        else:
+            responses.append(_FILLER + f" </think><answer>{p.answer}</answer>")
+            truths.append(p.answer)
+            continue
+        responses.append(_FILLER + f" </think> <answer>{answer}</answer>")
+        truths.append(p.answer)
+    return rewards.r1_zero_reward_fn, responses, truths
+
+
+def _gsm8k_workload(n: int, rng: random.Random):
+    problems, _ = data.load_problems(data.DataConfig.gsm8k(data.sample_path("gsm8k_sample.jsonl")))
+    responses, truths = [], []
+    for i in range(n):
+        p = problems[i % len(problems)]
+        value = p.answer if rng.random() < 0.5 else str(rng.randint(0, 10_000))
+        responses.append(_FILLER[:600] + f" So the answer is {value}.")
+        truths.append(f"#### {p.answer}")
+    return rewards.gsm8k_reward_fn, responses, truths
+
+
+def _synthetic_workload(n: int, rng: random.Random):
+    train, _ = synthetic.make_splits(0, min(n, 2000), 0, 2)
+    responses, truths = [], []
+    for i in range(n):
+        p = train[i % len(train)]
+        value = p.answer if rng.random() < 0.5 else str(rng.randint(0, 99))
+        responses.append(f" {value}")
+        truths.append(p.answer)
+    return rewards.synthetic_reward_fn, responses, truths
+
+
+WORKLOADS = {
+    "r1_zero_math": _math_workload,
+    "gsm8k": _gsm8k_workload,
+    "synthetic": _synthetic_workload,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=600, help="responses per workload")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    math_equiv.is_equivalent("\\frac12", "0.5")  # import/warm math-verify in this process too
+    start = time.perf_counter()
+    pool = grading.GradingPool(num_workers=args.workers, timeout_s=args.timeout)
+    pool.grade(
+        rewards.r1_zero_reward_fn,
+        ["x </think> <answer>1</answer>"] * args.workers,
+        [1] * args.workers,
+    )
+    startup_s = time.perf_counter() - start
+
+    results = {}
+    with pool:
+        for name, build in WORKLOADS.items():
+            fn, responses, truths = build(args.n, random.Random(0))
+            pooled, pool_stats = pool.grade(fn, responses, truths)
+            math_equiv._parse.cache_clear()  # in-process starts as cold as the workers did
+            serial, serial_stats = grading.grade_in_process(fn, responses, truths)
+            agree = sum(a == b for a, b in zip(serial, pooled)) / len(serial)
+            results[name] = {
+                "n": len(responses),
+                "in_process_per_s": len(responses) / serial_stats.seconds,
+                "pool_per_s": len(responses) / pool_stats.seconds,
+                "pool_timeouts": pool_stats.timeouts,
+                "pool_errors": pool_stats.errors,
+                "mean_reward": sum(s["reward"] for s in pooled) / len(pooled),
+                "pool_agrees_with_in_process": agree,
+            }
+            r = results[name]
+            print(
+                f"{name:13s} n={r['n']:5d}  in-process {r['in_process_per_s']:8.1f}/s  "
+                f"pool({args.workers}) {r['pool_per_s']:8.1f}/s  timeouts={r['pool_timeouts']} "
+                f"errors={r['pool_errors']}  mean reward {r['mean_reward']:.3f}  "
+                f"agreement {agree:.3f}"
+            )
+    print(f"pool start-up (workers ready + first call): {startup_s:.2f} s")
+
+    if args.json:
+        report = {
+            "benchmark": "rewards",
+            "workers": args.workers,
+            "timeout_s": args.timeout,
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "pool_startup_s": startup_s,
+            "workloads": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Weight-sync benchmark: export + reload time of `VLLMSampler.update_weights` against model size.
+
+For each shape, a random jaxrlvr Qwen2 is saved with `save_hf`, a CPU vLLM server is started on it,
+and the params are perturbed and synced `--repeats` times (each sync sends different weights, so
+nothing is skipped). Reports the median of each part (export, pause, reload, reset, resume,
+confirm, total) and checks after the last sync that the server reports the new version and still
+generates. Shapes: "ref" is the issue's reference shape (vocab 8192, hidden 256, intermediate 704,
+4 layers, 4 heads, 2 KV heads, untied, float32, ~7M params); "50m" is a ~50M-param random model.
+
+Usage: python benchmarks/bench_sync.py [--json PATH] [--python VLLM_PYTHON] [--shapes ref,50m]
+       (--python defaults to env JAXRLVR_VLLM_PYTHON.)
+Not a test: numbers are for the closing note and for spotting regressions by eye.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "ref": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "50m": dict(
+        vocab_size=8192,
+        hidden_size=640,
+        intermediate_size=1728,
+        num_hidden_layers=10,
+        num_attention_heads=10,
+        num_key_value_heads=2,
+    ),
+}
+PARTS = ("export_s", "pause_s", "reload_s", "reset_s", "resume_s", "confirm_s", "total_s")
+
+
+def _tokenizer(directory: str):
+    """A small byte-level BPE tokenizer trained locally (vLLM needs tokenizer files)."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
+    import jax
+    from flax import nnx
+
+    from jaxrlvr import model as jmodel
+    from jaxrlvr.sampling import base, vllm_sampler, vllm_server
+
+    cfg = jmodel.ModelConfig(**SHAPES[name], max_position_embeddings=512)
+    graphdef, params = nnx.split(jmodel.init_model(cfg, seed=0), nnx.Param)
+    model_dir = os.path.join(workdir, name)
+    jmodel.save_hf(nnx.merge(graphdef, params), model_dir, tokenizer_src=_tokenizer(model_dir))
+
+    t0 = time.perf_counter()
+    server = vllm_server.VLLMServer(
+        model_dir, python=python, max_model_len=256, log_path=os.path.join(workdir, f"{name}.log")
+    )
+    startup_s = time.perf_counter() - t0
+    try:
+        with vllm_sampler.VLLMSampler(cfg, server) as sampler:
+            t0 = time.perf_counter()
+            sampler.generate([[1, 2, 3]], 1, base.SamplingParams(max_tokens=4, seed=0))
+            first_request_s = time.perf_counter() - t0
+            runs = []
+            for i in range(repeats):
+                key = jax.random.key(100 + i)
+                leaves, treedef = jax.tree.flatten(params)
+                keys = jax.random.split(key, len(leaves))
+                noise = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+                new = jax.tree.unflatten(treedef, [x + 1e-3 * e for x, e in zip(leaves, noise)])
+                jax.block_until_ready(new)  # time the sync, not the perturbation
+                runs.append(sampler.update_weights(new))
+            versions = sampler.live_versions()
+            out = sampler.generate([[1, 2, 3]], 2, base.SamplingParams(max_tokens=4, seed=0))
+            assert versions == [str(repeats)] and len(out) == 2, (versions, out)
+    finally:
+        server.stop()
+    record = {
+        "benchmark": "sync",
+        "system": "vllm",
+        "shape": name,
+        "num_params": cfg.num_params(),
+        "bytes": 4 * cfg.num_params(),
+        "repeats": repeats,
+        "startup_s": startup_s,
+        "first_request_s": first_request_s,
+    }
+    for part in PARTS:
+        record[part] = statistics.median(r[part] for r in runs)
+    record["export_plus_reload_s"] = statistics.median(r["export_s"] + r["reload_s"] for r in runs)
+    record["all_total_s"] = [r["total_s"] for r in runs]
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="write the records here")
+    parser.add_argument("--python", default=os.environ.get("JAXRLVR_VLLM_PYTHON"))
+    parser.add_argument("--shapes", default="ref,50m")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not args.python:
+        parser.error("need --python or env JAXRLVR_VLLM_PYTHON (see scripts/setup_vllm.sh)")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="bench-sync-") as workdir:
+        for name in args.shapes.split(","):
+            rec = bench_shape(name, args.python, args.repeats, workdir)
+            records.append(rec)
+            print(
+                f"{name:>4} {rec['num_params'] / 1e6:6.1f}M params: "
+                + " ".join(f"{p}={rec[p] * 1e3:.1f}ms" for p in PARTS)
+                + f" | export+reload={rec['export_plus_reload_s'] * 1e3:.1f}ms"
+                f" | startup {rec['startup_s']:.0f}s, first request {rec['first_request_s']:.1f}s",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
