@@ -342,6 +342,24 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
     return st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b, st.forcing_b
 
 
+_TRACES = [0]
+
+
+def _traced_generate(params, inputs, *, graphdef, cfg, mesh, s: _Static):
+    _TRACES[0] += 1  # runs only while tracing: counts compilations
+    return generate_arrays(graphdef, params, inputs, cfg=cfg, mesh=mesh, s=s)
+
+
+# One jit for all samplers: samplers of the same model config and mesh share compiled programs.
+_generate_jit = jax.jit(_traced_generate, static_argnames=("graphdef", "cfg", "mesh", "s"))
+
+
+def num_traces() -> int:
+    """How many times the generation program has been traced (all samplers of this process);
+    tests use it to prove that calls in the same buckets do not recompile."""
+    return _TRACES[0]
+
+
 class JaxSampler:
     """Embedded sampler on JAX (see the module docstring); implements `base.Sampler`.
 
@@ -403,9 +421,7 @@ class JaxSampler:
         self._treedef = jax.tree.structure(abstract_params)
         self._params = None
         self.version: int | None = None
-        self.num_traces = 0
         self._seed_counter = 0
-        self._jitted = jax.jit(self._traced, static_argnames=("s",))
         self.update_weights(params_or_model)
 
     # ------------------------------------------------------------------------------------------
@@ -478,10 +494,6 @@ class JaxSampler:
     # ------------------------------------------------------------------------------------------
     # Internals
 
-    def _traced(self, params, inputs, *, s: _Static):
-        self.num_traces += 1  # runs only while tracing: counts compilations
-        return generate_arrays(self._graphdef, params, inputs, cfg=self.cfg, mesh=self.mesh, s=s)
-
     @property
     def batch_multiple(self) -> int:
         """Rows must split evenly over the mesh's batch axes."""
@@ -535,7 +547,10 @@ class JaxSampler:
             thinking=thinking,
         )
         inputs = self._place(inputs)
-        outs = jax.device_get(self._jitted(self._params, inputs, s=s))
+        outs = _generate_jit(
+            self._params, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
+        )
+        outs = jax.device_get(outs)
         return (*outs, budget, num_forced)
 
     def _place(self, inputs: dict) -> dict:
