@@ -97,20 +97,22 @@ def filter_logits(
     return jnp.where(scaled_bv >= threshold, scaled_bv, -jnp.inf)
 
 
-def inverse_cdf_draw(logits_bv: jax.Array, key: jax.Array) -> jax.Array:
-    """One draw per row from softmax(logits_bv) [B, V] -> token ids [B] int32.
+def inverse_cdf_draw(logits_bv: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One draw per row from softmax(logits_bv) [B, V] -> token ids [B] int32, and the row's
+    logsumexp [B] from the running sum (cheap, but less exact than `jax.nn.logsumexp`).
 
     Token i is chosen when cdf[i-1] < u <= cdf[i] for u uniform in (0, total]; a token with
     probability 0 (a filtered -inf) has cdf[i-1] == cdf[i] and can never be chosen.
     """
     b = logits_bv.shape[0]
     # Unnormalised exp is enough: u is scaled by the total instead of dividing every entry.
-    weights = jnp.exp(logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True))
-    cdf = jnp.cumsum(weights, axis=-1)
+    top = jnp.max(logits_bv, axis=-1, keepdims=True)
+    cdf = jnp.cumsum(jnp.exp(logits_bv - top), axis=-1)
+    total = cdf[:, -1:]
     # (0, 1): never 0, so the first token is not picked when its weight is 0.
     r = jax.random.uniform(key, (b, 1), jnp.float32, minval=jnp.finfo(jnp.float32).tiny)
-    u = r * cdf[:, -1:]
-    return jnp.sum(cdf < u, axis=-1).astype(jnp.int32)
+    tokens = jnp.sum(cdf < r * total, axis=-1).astype(jnp.int32)
+    return tokens, (top + jnp.log(total))[:, 0]
 
 
 def sample(
@@ -145,7 +147,9 @@ def sample(
         return tokens, token_logprobs(logits_bv, tokens)
     scaled = logits_bv / temperature
     filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, use_top_p=use_top_p)
-    tokens = inverse_cdf_draw(filtered, key)
+    tokens, _ = inverse_cdf_draw(filtered, key)
+    # A separate logsumexp rather than log(cdf[-1]): a running float32 sum over a 150k
+    # vocabulary can drift by ~1e-5, the tolerance the trainer's logprob comparison uses.
     source = filtered if logprobs_mode == "processed" else scaled
     return tokens, token_logprobs(source, tokens)
 
