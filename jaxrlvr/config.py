@@ -182,8 +182,12 @@ class RLSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
+    """Held-out evaluation at ``sampler.eval_temperature``; accuracy is the mean over
+    ``samples_per_problem`` samples of each of the first ``max_problems`` problems (avg@n)."""
+
     every: int = 10
     max_problems: int = 200
+    samples_per_problem: int = 1
     at_start: bool = True
 
 

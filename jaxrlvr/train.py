@@ -184,10 +184,12 @@ def evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn) -> dict[str, fl
     problems = problems[: cfg.eval.max_problems]
     if not problems:
         return {}
+    n = cfg.eval.samples_per_problem
     prompts = [encode(tokenizer, render(cfg, p, tokenizer)) for p in problems]
     params = sampling_params(cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919)
-    completions = sampler.generate(prompts, 1, params)
-    scores, _ = pool.grade(reward_fn, [c.text for c in completions], [p.answer for p in problems])
+    completions = sampler.generate(prompts, n, params)
+    truths = [p.answer for p in problems for _ in range(n)]
+    scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)
     lengths = [len(c.token_ids) for c in completions]
     return {
         "eval/accuracy": float(np.mean([s["answer_reward"] for s in scores])),
@@ -195,6 +197,7 @@ def evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn) -> dict[str, fl
         "eval/reward_mean": float(np.mean([s["reward"] for s in scores])),
         "eval/response_length_mean": float(np.mean(lengths)),
         "eval/n": len(problems),
+        "eval/samples_per_problem": n,
     }
 
 
@@ -261,7 +264,8 @@ class Trainer:
         )
         self.metrics = metrics_lib.MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard)
         if resume:
-            self.metrics.truncate_after(self.global_step)
+            # Lines after the restored checkpoint were logged by the killed run; drop them.
+            self.metrics.truncate_after(self.global_step + 1)
 
     # -- state and phases ---------------------------------------------------------------------
     @property
