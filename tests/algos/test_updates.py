@@ -284,6 +284,7 @@ def _bandit_fns(graphdef):
     return sample
 
 
+@pytest.mark.slow  # 30-50 updates plus sampling: ~60 s on the shared 2 cores
 def test_grpo_raises_bandit_reward():
     cfg, graphdef, params = _model(vocab_size=_VOCAB)
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3))
@@ -305,6 +306,7 @@ def test_grpo_raises_bandit_reward():
     assert float(p1) > 0.5
 
 
+@pytest.mark.slow  # 30-50 updates plus sampling: ~60 s on the shared 2 cores
 def test_ppo_raises_bandit_reward():
     cfg, graphdef, params = _model(vocab_size=_VOCAB)
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3))
@@ -336,6 +338,7 @@ def test_ppo_raises_bandit_reward():
     assert float(p1) > 0.5
 
 
+@pytest.mark.slow  # 30-50 updates plus sampling: ~60 s on the shared 2 cores
 def test_ppo_value_loss_falls():
     """Rewards fixed per row; the critic (head + shared trunk) must learn to predict them."""
     cfg, graphdef, params = _model()
