@@ -47,7 +47,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * x32.astype(x.dtype)
+        return self.weight.get_value().astype(x.dtype) * x32.astype(x.dtype)
 
 
 class Projection(nnx.Module):
@@ -184,8 +184,8 @@ def _decoder_layer(
     attn, mlp = layer.self_attn, layer.mlp
 
     def proj(p, spec, y):
-        out = jnp.einsum(spec, y, p.kernel.value.astype(dtype))
-        return out if p.bias is None else out + p.bias.value.astype(dtype)
+        out = jnp.einsum(spec, y, p.kernel.get_value().astype(dtype))
+        return out if p.bias is None else out + p.bias.get_value().astype(dtype)
 
     h = layer.input_layernorm(x)
     q = apply_rotary(proj(attn.q_proj, "BTD,DNH->BTNH", h), cos, sin)
@@ -201,14 +201,14 @@ def _decoder_layer(
         )
         k, v = k_cache.astype(dtype), v_cache.astype(dtype)
     out = grouped_attention(q, k, v, mask_bts)
-    x = x + jnp.einsum("BTNH,NHD->BTD", out, attn.o_proj.kernel.value.astype(dtype))
+    x = x + jnp.einsum("BTNH,NHD->BTD", out, attn.o_proj.kernel.get_value().astype(dtype))
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 
     h = layer.post_attention_layernorm(x)
-    gate = jnp.einsum("BTD,DF->BTF", h, mlp.gate_proj.kernel.value.astype(dtype))
-    up = jnp.einsum("BTD,DF->BTF", h, mlp.up_proj.kernel.value.astype(dtype))
+    gate = jnp.einsum("BTD,DF->BTF", h, mlp.gate_proj.kernel.get_value().astype(dtype))
+    up = jnp.einsum("BTD,DF->BTF", h, mlp.up_proj.kernel.get_value().astype(dtype))
     act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"), mesh)
-    x = x + jnp.einsum("BTF,FD->BTD", act, mlp.down_proj.kernel.value.astype(dtype))
+    x = x + jnp.einsum("BTF,FD->BTD", act, mlp.down_proj.kernel.get_value().astype(dtype))
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
     return x, k_cache, v_cache
 
@@ -283,7 +283,7 @@ class Qwen2ForCausalLM(nnx.Module):
             query_slots = cache_index + jnp.arange(t)
         mask_bts = (slots[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]
 
-        embedding = self.model.embed_tokens.embedding.value
+        embedding = self.model.embed_tokens.embedding.get_value()
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.compute_dtype)
         x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
         cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta)
@@ -301,10 +301,10 @@ class Qwen2ForCausalLM(nnx.Module):
         """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default)."""
         cd = self.config.compute_dtype
         if self.lm_head is None:
-            w = self.model.embed_tokens.embedding.value.astype(cd)
+            w = self.model.embed_tokens.embedding.get_value().astype(cd)
             logits = jnp.einsum("BTD,VD->BTV", hidden.astype(cd), w, preferred_element_type=dtype)
         else:
-            w = self.lm_head.kernel.value.astype(cd)
+            w = self.lm_head.kernel.get_value().astype(cd)
             logits = jnp.einsum("BTD,DV->BTV", hidden.astype(cd), w, preferred_element_type=dtype)
         return sharding.constrain(logits.astype(dtype), ("batch", "seq", "vocab"), self.mesh)
 

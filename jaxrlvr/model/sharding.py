@@ -128,7 +128,7 @@ def param_partition_specs(params: nnx.State, mesh: Mesh | None = None) -> nnx.St
         axes = v.get_metadata().get("logical_axes")
         if axes is None:
             return PartitionSpec()
-        return logical_to_pspec(axes, v.value.shape, mesh)
+        return logical_to_pspec(axes, v.get_value().shape, mesh)
 
     return jax.tree.map(spec, params, is_leaf=_is_variable)
 
@@ -138,7 +138,9 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
 
     def sharding(v):
         axes = v.get_metadata().get("logical_axes")
-        spec = PartitionSpec() if axes is None else logical_to_pspec(axes, v.value.shape, mesh)
+        spec = (
+            PartitionSpec() if axes is None else logical_to_pspec(axes, v.get_value().shape, mesh)
+        )
         return v.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(sharding, params, is_leaf=_is_variable)

@@ -329,7 +329,7 @@ def load_hf(
     storage = cfg.storage_dtype
 
     def build(entry: _Tensor, var: nnx.Variable) -> jax.Array:
-        shape = var.value.shape
+        shape = var.get_value().shape
         if mesh is None:
             target = device_sharding
         else:
@@ -355,12 +355,7 @@ def load_hf(
             var = var[key]
         params_by_path[entry.path] = var.replace(build(entry, var))
 
-    flat = (
-        nnx.State.from_flat_path(params_by_path) if hasattr(nnx.State, "from_flat_path") else None
-    )
-    if flat is None:
-        flat = nnx.from_flat_state(params_by_path)
-    return nnx.merge(graphdef, flat)
+    return nnx.merge(graphdef, nnx.from_flat_state(params_by_path))
 
 
 # ----------------------------------------------------------------------------------------------
