@@ -164,13 +164,13 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     # Start our own server on the current weights; it is restarted on the latest ones if it dies.
     model_dir = os.path.join(run_dir, "vllm_model")
     model_lib.save_hf(model, model_dir, tokenizer_src=tokenizer)
+    log(f"starting a vLLM server on {model_dir} (log: {run_dir}/vllm_server.log)")
     server = vllm_server.VLLMServer(
         model_dir,
         python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
-        max_model_len=s.vllm_max_model_len,
+        max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
         log_path=os.path.join(run_dir, "vllm_server.log"),
     )
-    server.start()
     return vllm_sampler.VLLMSampler(
         model.config, [server], tokenizer, restart_dead_servers=s.vllm_restart
     )
