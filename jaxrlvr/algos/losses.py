@@ -82,8 +82,10 @@ def compute_entropy(logits: jax.Array) -> jax.Array:
     zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     lse = jax.nn.logsumexp(zs, axis=-1, keepdims=True)
     p = jnp.exp(zs - lse)
-    # where(): a -inf logit has p = 0 and contributes 0 (not 0 * -inf = NaN).
-    return lse[..., 0] - jnp.sum(jnp.where(p > 0, p * zs, 0.0), axis=-1)
+    # A -inf logit has p = 0 and must contribute 0, in the value and in the gradient: replace its
+    # z before the product (a where() after it would still send 0 * inf = NaN backwards).
+    safe_zs = jnp.where(p > 0, zs, 0.0)
+    return lse[..., 0] - jnp.sum(p * safe_zs, axis=-1)
 
 
 def get_response_log_probs(

@@ -86,6 +86,22 @@ def test_entropy_matches_numpy_and_is_stable():
     assert losses.compute_entropy(jnp.asarray(z, jnp.bfloat16)).dtype == jnp.float32
 
 
+def test_entropy_gradient_is_finite_with_masked_out_logits():
+    # A vocabulary entry masked with -inf (e.g. a filtered token) has probability 0: the entropy
+    # and its gradient must ignore it rather than turn the whole row's gradient into NaN.
+    z = jnp.array([[1.0, -jnp.inf, 0.5, -0.3]])
+    value, grad = jax.value_and_grad(lambda x: losses.compute_entropy(x).sum())(z)
+    finite = np.array([1.0, 0.5, -0.3])
+    p = np.exp(finite - finite.max())
+    p /= p.sum()
+    np.testing.assert_allclose(value, -(p * np.log(p)).sum(), rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(grad)))
+    assert float(grad[0, 1]) == 0.0
+    # dH/dz_i = -p_i (log p_i + H) on the finite entries
+    h = -(p * np.log(p)).sum()
+    np.testing.assert_allclose(np.asarray(grad)[0, [0, 2, 3]], -p * (np.log(p) + h), atol=1e-6)
+
+
 def test_get_response_log_probs_matches_numpy():
     rng = _rng(3)
     z = rng.normal(size=(2, 4, 9)).astype(np.float32) * 2
