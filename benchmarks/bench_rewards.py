@@ -1,4 +1,7 @@
-"""Thin wrapper: `python benchmarks/bench_rewards.py ...` == `jaxrlvr bench rewards ...` (jaxrlvr/bench/rewards.py)."""
+"""Thin wrapper: `python benchmarks/bench_rewards.py ...` == `jaxrlvr bench rewards ...`.
+
+See ``jaxrlvr.bench.rewards``.
+"""
 
 import sys
 

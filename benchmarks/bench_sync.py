@@ -1,4 +1,7 @@
-"""Thin wrapper: `python benchmarks/bench_sync.py ...` == `jaxrlvr bench sync ...` (jaxrlvr/bench/sync.py)."""
+"""Thin wrapper: `python benchmarks/bench_sync.py ...` == `jaxrlvr bench sync ...`.
+
+See ``jaxrlvr.bench.sync``.
+"""
 
 import sys
 

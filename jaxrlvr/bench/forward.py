@@ -19,51 +19,19 @@ Not a test: numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 
+from jaxrlvr.bench import common
+
+# Model shape (a ``common`` factory) and batch; "small" is issue 4's update reference shape.
 SHAPES = {
-    "tiny": dict(
-        model=dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        ),
-        batch=4,
-        seq=128,
-    ),
-    "small": dict(
-        model=dict(
-            vocab_size=8192,
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
-        batch=4,
-        seq=256,
-    ),
+    "tiny": dict(model=common.tiny, batch=4, seq=128),
+    "small": dict(model=common.update_ref, batch=4, seq=256),
 }
-
-
-def _time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_shape(name: str, spec: dict, repeats: int, seed: int = 0) -> dict:
@@ -75,9 +43,8 @@ def run_shape(name: str, spec: dict, repeats: int, seed: int = 0) -> dict:
 
     from jaxrlvr import model as M
 
-    hf_cfg = transformers.Qwen2Config(
-        **spec["model"], max_position_embeddings=max(512, spec["seq"]), rope_theta=10000.0
-    )
+    cfg = spec["model"](max_position_embeddings=max(512, spec["seq"]))
+    hf_cfg = transformers.Qwen2Config(**common.hf_kwargs(cfg))
     torch.manual_seed(seed)
     torch_model = transformers.Qwen2ForCausalLM(hf_cfg).to(torch.float32).eval()
     torch_model.config._attn_implementation = "sdpa"
@@ -98,12 +65,14 @@ def run_shape(name: str, spec: dict, repeats: int, seed: int = 0) -> dict:
     start = time.perf_counter()
     jax_logits = np.asarray(forward(params, ids_j, mask_j))
     compile_s = time.perf_counter() - start
-    jax_s = _time(lambda: forward(params, ids_j, mask_j).block_until_ready(), repeats)
+    jax_s = common.median_seconds(
+        lambda: forward(params, ids_j, mask_j).block_until_ready(), repeats
+    )
 
     ids_t, mask_t = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask)
     with torch.inference_mode():
         torch_logits = torch_model(ids_t, attention_mask=mask_t).logits.float().numpy()
-        torch_s = _time(lambda: torch_model(ids_t, attention_mask=mask_t), repeats)
+        torch_s = common.median_seconds(lambda: torch_model(ids_t, attention_mask=mask_t), repeats)
 
     tokens = b * t
     return dict(
@@ -166,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             torch=torch.__version__,
             torch_threads=torch.get_num_threads(),
         )
-        with open(args.json_path, "w") as f:
-            json.dump(dict(benchmark="forward", env=env, results=rows), f, indent=2)
+        common.save_json(args.json_path, dict(benchmark="forward", env=env, results=rows))
     return 0
 
 

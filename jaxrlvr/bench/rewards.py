@@ -17,13 +17,13 @@ Usage: python benchmarks/bench_rewards.py [--n 600] [--workers 2] [--timeout 5] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import time
 
 from jaxrlvr import data, rewards
+from jaxrlvr.bench import common
 from jaxrlvr.data import synthetic
 from jaxrlvr.rewards import grading, math_equiv
 
@@ -132,8 +132,7 @@ def main(argv=None) -> int:
             "pool_startup_s": startup_s,
             "workloads": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        common.save_json(args.json, report)
     return 0
 
 

@@ -22,25 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
-REFERENCE = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-    max_position_embeddings=512,
-)
+from jaxrlvr.bench import common
+
 CASES = {"64x1": (64, 1), "16x4": (16, 4)}
 PROMPT_LEN = 32
 NEW_TOKENS = 128
@@ -53,10 +41,11 @@ def write_model(path: str, seed: int = 0) -> None:
     import torch
     import transformers
 
+    cfg = common.sampler_ref()
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(**REFERENCE, eos_token_id=0, bos_token_id=0)
+    config = transformers.Qwen2Config(**common.hf_kwargs(cfg), eos_token_id=0, bos_token_id=0)
     transformers.Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(REFERENCE["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(
@@ -65,24 +54,12 @@ def write_model(path: str, seed: int = 0) -> None:
     fast.save_pretrained(path)
 
 
-def prompts(num: int, seed: int = 0) -> list[list[int]]:
+def prompts(num: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``PROMPT_LEN`` random ids in [1, vocab_size) (0 is EOS)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return rng.integers(1, REFERENCE["vocab_size"], (num, PROMPT_LEN)).tolist()
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _time_repeats(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return rng.integers(1, vocab_size, (num, PROMPT_LEN)).tolist()
 
 
 def run_jaxrlvr(model_dir: str, case: str, repeats: int) -> dict:
@@ -95,7 +72,7 @@ def run_jaxrlvr(model_dir: str, case: str, repeats: int) -> dict:
     params = base.SamplingParams(
         temperature=1.0, top_p=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, seed=0, logprobs=True
     )
-    ps = prompts(num)
+    ps = prompts(num, lm.config.vocab_size)
 
     def go():
         out = sampler.generate(ps, n, params)
@@ -105,12 +82,12 @@ def run_jaxrlvr(model_dir: str, case: str, repeats: int) -> dict:
     start = time.perf_counter()
     go()
     first = time.perf_counter() - start
-    steady = _time_repeats(go, repeats)
+    steady = common.median_seconds(go, repeats)
     return dict(
         tokens_per_s=num * n * NEW_TOKENS / steady,
         compile_s=max(first - steady, 0.0),
         seconds=steady,
-        peak_rss_mib=_peak_rss_mib(),
+        peak_rss_mib=common.peak_rss_mib(),
     )
 
 
@@ -123,7 +100,7 @@ def run_hf(model_dir: str, case: str, repeats: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     startup = time.perf_counter() - start
-    ids = torch.tensor(prompts(num))
+    ids = torch.tensor(prompts(num, model.config.vocab_size))
 
     def go():
         with torch.no_grad():
@@ -145,12 +122,12 @@ def run_hf(model_dir: str, case: str, repeats: int) -> dict:
         assert logp.shape == (num * n, NEW_TOKENS)
 
     go()  # warm-up
-    steady = _time_repeats(go, repeats)
+    steady = common.median_seconds(go, repeats)
     return dict(
         tokens_per_s=num * n * NEW_TOKENS / steady,
         startup_s=startup,
         seconds=steady,
-        peak_rss_mib=_peak_rss_mib(),
+        peak_rss_mib=common.peak_rss_mib(),
     )
 
 
@@ -169,7 +146,7 @@ def run_vllm(model_dir: str, case: str, repeats: int, python: str) -> dict:
         params = base.SamplingParams(
             temperature=1.0, top_p=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, seed=0
         )
-        ps = prompts(num)
+        ps = prompts(num, cfg.vocab_size)
         peak = [0.0]
 
         def go():
@@ -181,7 +158,7 @@ def run_vllm(model_dir: str, case: str, repeats: int, python: str) -> dict:
 
         go()  # the first request after start is slow (DESIGN.md): part of startup
         startup = time.perf_counter() - start
-        steady = _time_repeats(go, repeats)
+        steady = common.median_seconds(go, repeats)
         sampler.close()
     finally:
         server.stop()
@@ -200,35 +177,19 @@ def _worker(args) -> int:
         rec = run_hf(args.model_dir, args.case, args.repeats)
     else:
         rec = run_vllm(args.model_dir, args.case, args.repeats, args.vllm_python)
-    rec = dict(system=args.worker, case=args.case, **rec)
-    print("RESULT " + json.dumps(rec), flush=True)
+    common.save_json(args._out, dict(system=args.worker, case=args.case, **rec))
     return 0
 
 
 def _spawn(system: str, case: str, model_dir: str, args) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxrlvr.bench.sampler",
-        "--worker",
-        system,
-        "--case",
-        case,
-        "--model-dir",
-        model_dir,
-        "--repeats",
-        str(args.repeats),
-    ]
+    argv = ["--worker", system, "--case", case, "--model-dir", model_dir]
+    argv += ["--repeats", str(args.repeats)]
     if args.vllm_python:
-        cmd += ["--vllm-python", args.vllm_python]
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    env.pop("XLA_FLAGS", None)  # one real CPU device, not the tests' 8 fake ones
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stderr or proc.stdout)[-2000:]
-    return dict(system=system, case=case, error=f"exit {proc.returncode}: {tail}")
+        argv += ["--vllm-python", args.vllm_python]
+    try:
+        return common.run_worker("jaxrlvr.bench.sampler", argv, capture_output=True)
+    except common.WorkerError as e:
+        return dict(system=system, case=case, error=str(e))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--case", choices=tuple(CASES), help=argparse.SUPPRESS)
+    ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
@@ -266,9 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rec = _spawn(system, case, model_dir, args)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=2)
+    common.save_json(args.json, records)
     _print_table(records)
     return 0
 

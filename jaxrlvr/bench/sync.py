@@ -15,29 +15,20 @@ Not a test: numbers are for the closing note and for spotting regressions by eye
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+from jaxrlvr.bench import common
+
+# Model shapes as ``common`` factories (float32, untied, 512 positions).
 SHAPES = {
-    "ref": dict(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "50m": dict(
-        vocab_size=8192,
-        hidden_size=640,
-        intermediate_size=1728,
-        num_hidden_layers=10,
-        num_attention_heads=10,
-        num_key_value_heads=2,
+    "ref": common.sampler_ref,
+    "50m": functools.partial(
+        common.qwen2, vocab=8192, hidden=640, mlp=1728, layers=10, heads=10, kv_heads=2
     ),
 }
 PARTS = ("export_s", "pause_s", "reload_s", "reset_s", "resume_s", "confirm_s", "total_s")
@@ -70,7 +61,7 @@ def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
     from jaxrlvr import model as jmodel
     from jaxrlvr.sampling import base, vllm_sampler, vllm_server
 
-    cfg = jmodel.ModelConfig(**SHAPES[name], max_position_embeddings=512)
+    cfg = SHAPES[name]()
     graphdef, params = nnx.split(jmodel.init_model(cfg, seed=0), nnx.Param)
     model_dir = os.path.join(workdir, name)
     jmodel.save_hf(nnx.merge(graphdef, params), model_dir, tokenizer_src=_tokenizer(model_dir))
@@ -137,9 +128,7 @@ def main(argv=None) -> int:
                 f" | startup {rec['startup_s']:.0f}s, first request {rec['first_request_s']:.1f}s",
                 flush=True,
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=2)
+    common.save_json(args.json, records)
     return 0
 
 

@@ -26,41 +26,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from jaxrlvr.bench import common
+
+if TYPE_CHECKING:
+    from jaxrlvr.model import config as model_config
+
+# Model shape (a ``common`` factory, called only where JAX is loaded anyway) and batch.
 SHAPES = {
-    "reference": dict(
-        model=dict(
-            vocab_size=8192,
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
-        batch=16,
-        prompt=64,
-        response=192,
-        microbatches=4,
-    ),
+    "reference": dict(model=common.update_ref, batch=16, prompt=64, response=192, microbatches=4),
     "tiny": dict(
-        model=dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
+        model=functools.partial(common.tiny, tie_word_embeddings=False),
         batch=8,
         prompt=8,
         response=24,
@@ -72,7 +56,7 @@ LR, CLIP_EPS, MAX_GRAD_NORM, BETAS, EPS = 1e-5, 0.2, 1.0, (0.9, 0.95), 1e-8
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Shape:
-    model: dict
+    model: Callable[..., model_config.ModelConfig]
     batch: int
     prompt: int
     response: int
@@ -86,13 +70,17 @@ class Shape:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @property
+    def config(self) -> model_config.ModelConfig:
+        return self.model(max_position_embeddings=max(512, self.seq))
 
-def make_batch(shape: Shape, seed: int = 0) -> dict:
+
+def make_batch(shape: Shape, vocab_size: int, seed: int = 0) -> dict:
     """Right-padded rows: prompt, a random-length response (>= 3/4 of the budget), padding."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    b, t, v = shape.batch, shape.seq, shape.model["vocab_size"]
+    b, t, v = shape.batch, shape.seq, vocab_size
     full = rng.integers(0, v, (b, t + 1)).astype(np.int32)
     lengths = rng.integers(3 * shape.response // 4, shape.response + 1, b)
     pos = np.arange(t)[None, :]
@@ -108,25 +96,9 @@ def make_batch(shape: Shape, seed: int = 0) -> dict:
 
 
 def model_flops_per_step(shape: Shape) -> float:
-    m = shape.model
-    from jaxrlvr.model import config as config_lib
-
-    cfg = config_lib.ModelConfig(**m)
-    attn = 12 * m["num_hidden_layers"] * m["num_attention_heads"] * cfg.head_dim * shape.seq
+    cfg = shape.config
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * shape.seq
     return shape.tokens * (6 * cfg.num_non_embedding_params() + attn)
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _timed_steps(run_step, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        run_step()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +108,7 @@ def _timed_steps(run_step, steps: int) -> list[float]:
 def _worker_init(shape: Shape, weights: str) -> dict:
     from jaxrlvr import model as M
 
-    cfg = M.ModelConfig(**shape.model, max_position_embeddings=max(512, shape.seq))
+    cfg = shape.config
     M.save_hf(M.init_model(cfg, seed=0), weights)
     return {"num_params": cfg.num_params()}
 
@@ -148,7 +120,7 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     f = jax.jit(lambda x, y: x @ y)
     f(a, a).block_until_ready()
-    best = min(_timed_steps(lambda: f(a, a).block_until_ready(), repeats))
+    best = min(common.timed_calls(lambda: f(a, a).block_until_ready(), repeats))
     return 2 * n**3 / best / 1e9
 
 
@@ -175,7 +147,7 @@ def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool) -> dict:
     gcfg = updates.GRPOUpdateConfig(loss=loss, num_microbatches=shape.microbatches)
     upd = updates.make_grpo_update(graphdef, tx, gcfg, lr_schedule=optim.make_schedule(ocfg))
     state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
-    raw = make_batch(shape)
+    raw = make_batch(shape, lm.config.vocab_size)
     batch = batch_lib.Batch(**{k: jnp.asarray(v) for k, v in raw.items()})
     logprob = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=shape.microbatches))
     batch = batch.replace(old_logp=logprob(state.params, batch)[0])
@@ -193,12 +165,12 @@ def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool) -> dict:
         holder["loss"] = float(metrics["loss"])  # blocks until the step is done
 
     run()  # warmup
-    times = _timed_steps(run, steps)
+    times = common.timed_calls(run, steps)
     return {
         "step_times_s": times,
         "compile_s": compile_s,
         "matmul_gflops": _jax_matmul_gflops(),
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": common.peak_rss_mib(),
         "final_loss": holder["loss"],
         "version": f"jax {jax.__version__}",
     }
@@ -215,7 +187,7 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
     )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    raw = make_batch(shape)
+    raw = make_batch(shape, model.config.vocab_size)
     b = {k: torch.from_numpy(v) for k, v in raw.items()}
     ids, attn, labels = b["input_ids"].long(), b["attention_mask"].long(), b["labels"].long()
     mask, adv = b["loss_mask"].float(), b["advantages"].float()
@@ -247,34 +219,24 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
     t0 = time.perf_counter()
     run()  # warmup (torch has no compile step; this is its first-step overhead)
     first_s = time.perf_counter() - t0
-    times = _timed_steps(run, steps)
+    times = common.timed_calls(run, steps)
     a = torch.randn(2048, 2048)
-    best = min(_timed_steps(lambda: torch.mm(a, a), 10))
+    best = min(common.timed_calls(lambda: torch.mm(a, a), 10))
     return {
         "step_times_s": times,
         "compile_s": 0.0,
         "first_step_s": first_s,
         "matmul_gflops": 2 * 2048**3 / best / 1e9,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": common.peak_rss_mib(),
         "version": f"torch {torch.__version__}, transformers {transformers.__version__}",
     }
 
 
-def _run_worker(kind: str, args: argparse.Namespace, weights: str, out: str) -> dict:
-    cmd = [
-        sys.executable, "-m", "jaxrlvr.bench.update", "--_worker", kind, "--_weights", weights,
-        "--_out", out, "--steps", str(args.steps), "--threads", str(args.threads),
-    ]  # fmt: skip
-    if args.tiny:
-        cmd.append("--tiny")
-    if args.remat:
-        cmd.append("--remat")
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    env.pop("XLA_FLAGS", None)  # one device: the benchmark is a single-host, single-device run
-    subprocess.run(cmd, check=True, env=env)
-    with open(out) as f:
-        return json.load(f)
+def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
+    argv = ["--_worker", kind, "--_weights", weights]
+    argv += ["--steps", str(args.steps), "--threads", str(args.threads)]
+    argv += [flag for flag, on in (("--tiny", args.tiny), ("--remat", args.remat)) if on]
+    return common.run_worker("jaxrlvr.bench.update", argv)
 
 
 def main(argv=None) -> int:
@@ -299,8 +261,7 @@ def main(argv=None) -> int:
             rec = _worker_jax(shape, args._weights, args.steps, args.remat)
         else:
             rec = _worker_torch(shape, args._weights, args.steps, args.threads)
-        with open(args._out, "w") as f:
-            json.dump(rec, f)
+        common.save_json(args._out, rec)
         return 0
 
     systems = [s for s in args.systems.split(",") if s]
@@ -310,9 +271,9 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         weights = os.path.join(tmp, "weights")
-        info = _run_worker("init", args, weights, os.path.join(tmp, "init.json"))
+        info = _run_worker("init", args, weights)
         for s in systems:
-            results[s] = _run_worker(s, args, weights, os.path.join(tmp, f"{s}.json"))
+            results[s] = _run_worker(s, args, weights)
     peak = max(r["matmul_gflops"] for r in results.values()) * 1e9
     flops = model_flops_per_step(shape)
     records = []
@@ -350,9 +311,7 @@ def main(argv=None) -> int:
     if "jaxrlvr" in results and "torch" in results:
         j, t = (next(r for r in records if r["system"] == s) for s in ("jaxrlvr", "torch"))
         print(f"jaxrlvr / torch tokens/s: {j['tokens_per_s'] / t['tokens_per_s']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=2)
+    common.save_json(args.json, records)
     return 0
 
 
