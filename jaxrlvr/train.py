@@ -430,6 +430,7 @@ class Trainer:
         # Fast-forward the SFT data order on resume (cheap: host-side index arithmetic).
         for _ in range(self.loop.sft_step):
             sft_iter.next_batch()
+        last: dict[str, float] = {}
         while self.loop.sft_step < cfg.sft.steps:
             t0 = time.perf_counter()
             batch = self._sft_batch(sft_iter.next_batch())
@@ -437,7 +438,10 @@ class Trainer:
             m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
             m["time/step_s"] = time.perf_counter() - t0
             self.loop.sft_step += 1
-            self.metrics.log(self.global_step, m)
+            if self.loop.sft_step < cfg.sft.steps:
+                self.metrics.log(self.global_step, m)
+            else:
+                last = m  # logged with the post-SFT evaluation below
             progress.update(1)
             progress.set_postfix(phase="sft", loss=f"{m.get('sft/loss', float('nan')):.3f}")
             # The last SFT step is saved after the switch to RL (below), under the same step.
@@ -449,6 +453,7 @@ class Trainer:
         self.sampler.update_weights(self.state.params)
         ev = self._evaluate()
         self.loop.eval_after_sft = ev
+        self.metrics.log(self.global_step, {**last, **ev})
         log(f"after SFT warm start: held-out accuracy {ev.get('eval/accuracy', float('nan')):.3f}")
         # Switch to the RL phase with a fresh optimiser state.
         self.loop.phase = "rl"
@@ -634,6 +639,7 @@ class Trainer:
             self.run_sft(progress)
         if cfg.sft.steps == 0 and self.loop.rl_step == 0 and cfg.eval.at_start:
             self.loop.eval_after_sft = self._evaluate()
+            self.metrics.log(0, self.loop.eval_after_sft)
         if cfg.rl.algo != "none":
             if cfg.rl.algo == "ppo":
                 self.value_fn = jax.jit(value.make_value_fn(self.graphdef))
