@@ -126,6 +126,27 @@ def test_other_algorithms_run(tmp_path, algo):
 
 
 @pytest.mark.slow
+def test_field_options_run_and_report(tmp_path):
+    """Difficulty filtering, curriculum sampling, zero-variance dropping, the Kimi length reward
+    from step 1 and the DAPO overlong penalty, all in one short run."""
+    run_dir = tmp_path / "options"
+    _jaxrlvr(
+        "train", "configs/demo.yaml", f"run.out_dir={run_dir}", "sft.steps=2", "rl.steps=3",
+        "rl.difficulty_filter=true", "rl.difficulty_filter_k=2", "rl.curriculum=true",
+        "rl.drop_zero_variance_groups=true", "rl.length_reward_weight=1.0",
+        "rl.length_reward_from_step=1", "rl.overlong_cache_len=4", "eval.every=3",
+        "checkpoint.every=3", *TINY,
+    )
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [x for x in lines if "reward_mean" in x]
+    assert len(rl) == 3
+    assert all("filter/informative_fraction" in x for x in rl)
+    assert all("overlong_penalty_mean" in x for x in rl)
+    # The length reward is off at RL step 0 and on from step 1.
+    assert "length_reward_mean" not in rl[0] and "length_reward_mean" in rl[1]
+
+
+@pytest.mark.slow
 def test_sigkill_and_resume_gives_identical_params(tmp_path):
     args = ["configs/demo.yaml", "sft.steps=4", "rl.steps=6", "eval.every=3", "checkpoint.every=2",
             *TINY]
