@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -162,8 +163,13 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     if s.vllm_urls:
         return vllm_sampler.VLLMSampler(model.config, list(s.vllm_urls), tokenizer)
     # Start our own server on the current weights; it is restarted on the latest ones if it dies.
+    from jaxrlvr.sampling import weight_export
+
     model_dir = os.path.join(run_dir, "vllm_model")
-    model_lib.save_hf(model, model_dir, tokenizer_src=tokenizer)
+    if os.path.isdir(model_dir):
+        shutil.rmtree(model_dir)
+    weight_export.export_weights(model.config, nnx.state(model, nnx.Param), model_dir)
+    tokenizer.save_pretrained(model_dir)
     log(f"starting a vLLM server on {model_dir} (log: {run_dir}/vllm_server.log)")
     server = vllm_server.VLLMServer(
         model_dir,

@@ -17,7 +17,11 @@ def _run(*args, timeout=900):
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "jaxrlvr.cli", *args],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
     )
 
 
@@ -56,11 +60,22 @@ def test_bench_writes_json(tmp_path, name, args):
 def test_sft_command_runs_sft_only(tmp_path):
     run_dir = tmp_path / "sft"
     proc = _run(
-        "sft", "configs/demo.yaml", f"run.out_dir={run_dir}", "sft.steps=3", "sft.batch_size=8",
-        "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-        "model.num_attention_heads=2", "model.num_key_value_heads=1",
-        "data.synthetic_train_size=50", "data.synthetic_eval_size=8", "eval.max_problems=8",
-        "reward.num_workers=1", "run.progress=false", "run.tensorboard=false",
+        "sft",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        "sft.steps=3",
+        "sft.batch_size=8",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "data.synthetic_train_size=50",
+        "data.synthetic_eval_size=8",
+        "eval.max_problems=8",
+        "reward.num_workers=1",
+        "run.progress=false",
+        "run.tensorboard=false",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

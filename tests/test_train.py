@@ -41,7 +41,9 @@ def _env():
 
 def _jaxrlvr(*args, timeout=900, check=True):
     cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -65,8 +67,14 @@ def _final_params(run_dir):
 def test_demo_pipeline_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     proc = _jaxrlvr(
-        "train", "configs/demo.yaml", f"run.out_dir={run_dir}", "sft.steps=4", "rl.steps=3",
-        "eval.every=2", "checkpoint.every=2", *TINY,
+        "train",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        "sft.steps=4",
+        "rl.steps=3",
+        "eval.every=2",
+        "checkpoint.every=2",
+        *TINY,
     )
     assert "held-out accuracy after SFT warm start" in proc.stdout
     assert "held-out accuracy after GRPO" in proc.stdout
@@ -74,10 +82,24 @@ def test_demo_pipeline_end_to_end(tmp_path):
     assert [x["step"] for x in lines] == list(range(1, 8))
     rl_line = lines[-1]
     for key in (
-        "reward_mean", "reward_std", "format_rate", "accuracy", "response_length_mean",
-        "response_length_max", "zero_variance_group_fraction", "policy_loss", "kl", "entropy",
-        "clip_frac", "grad_norm", "learning_rate", "sampler_trainer_logprob_gap_mean",
-        "time/sample_s", "time/update_s", "throughput/sample_tokens_per_s", "eval/accuracy",
+        "reward_mean",
+        "reward_std",
+        "format_rate",
+        "accuracy",
+        "response_length_mean",
+        "response_length_max",
+        "zero_variance_group_fraction",
+        "policy_loss",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "learning_rate",
+        "sampler_trainer_logprob_gap_mean",
+        "time/sample_s",
+        "time/update_s",
+        "throughput/sample_tokens_per_s",
+        "eval/accuracy",
     ):
         assert key in rl_line, key
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -102,8 +124,9 @@ def test_demo_pipeline_end_to_end(tmp_path):
     assert tok.eos_token == "<|endoftext|>"
 
     # eval on the run's checkpoint
-    proc = _jaxrlvr("eval", "configs/demo.yaml", f"run.out_dir={run_dir}", *TINY,
-                    "--checkpoint", str(run_dir))
+    proc = _jaxrlvr(
+        "eval", "configs/demo.yaml", f"run.out_dir={run_dir}", *TINY, "--checkpoint", str(run_dir)
+    )
     assert "eval/accuracy" in proc.stdout
 
     # plot two runs overlaid
@@ -116,8 +139,15 @@ def test_demo_pipeline_end_to_end(tmp_path):
 def test_other_algorithms_run(tmp_path, algo):
     run_dir = tmp_path / algo
     _jaxrlvr(
-        "train", "configs/demo.yaml", f"run.out_dir={run_dir}", "sft.steps=2", "rl.steps=2",
-        f"rl.algo={algo}", "eval.every=2", "checkpoint.every=2", *TINY,
+        "train",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        "sft.steps=2",
+        "rl.steps=2",
+        f"rl.algo={algo}",
+        "eval.every=2",
+        "checkpoint.every=2",
+        *TINY,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4
@@ -131,11 +161,21 @@ def test_field_options_run_and_report(tmp_path):
     from step 1 and the DAPO overlong penalty, all in one short run."""
     run_dir = tmp_path / "options"
     _jaxrlvr(
-        "train", "configs/demo.yaml", f"run.out_dir={run_dir}", "sft.steps=2", "rl.steps=3",
-        "rl.difficulty_filter=true", "rl.difficulty_filter_k=2", "rl.curriculum=true",
-        "rl.drop_zero_variance_groups=true", "rl.length_reward_weight=1.0",
-        "rl.length_reward_from_step=1", "rl.overlong_cache_len=4", "eval.every=3",
-        "checkpoint.every=3", *TINY,
+        "train",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        "sft.steps=2",
+        "rl.steps=3",
+        "rl.difficulty_filter=true",
+        "rl.difficulty_filter_k=2",
+        "rl.curriculum=true",
+        "rl.drop_zero_variance_groups=true",
+        "rl.length_reward_weight=1.0",
+        "rl.length_reward_from_step=1",
+        "rl.overlong_cache_len=4",
+        "eval.every=3",
+        "checkpoint.every=3",
+        *TINY,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in lines if "reward_mean" in x]
@@ -148,15 +188,22 @@ def test_field_options_run_and_report(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_gives_identical_params(tmp_path):
-    args = ["configs/demo.yaml", "sft.steps=4", "rl.steps=6", "eval.every=3", "checkpoint.every=2",
-            *TINY]
+    args = [
+        "configs/demo.yaml",
+        "sft.steps=4",
+        "rl.steps=6",
+        "eval.every=3",
+        "checkpoint.every=2",
+        *TINY,
+    ]
     ref_dir = tmp_path / "uninterrupted"
     _jaxrlvr("train", *args, f"run.out_dir={ref_dir}")
 
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *args, f"run.out_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 900
     # Kill once the run is in the RL phase, past a checkpoint (step 6 = SFT 4 + RL 2).
@@ -188,8 +235,13 @@ def test_bad_config_is_a_one_line_error(tmp_path):
 
 def test_missing_data_file_is_a_one_line_error(tmp_path):
     proc = _jaxrlvr(
-        "train", "configs/demo.yaml", f"run.out_dir={tmp_path}", f"data.train={tmp_path}/nope.jsonl",
-        *TINY, check=False, timeout=600,
+        "train",
+        "configs/demo.yaml",
+        f"run.out_dir={tmp_path}",
+        f"data.train={tmp_path}/nope.jsonl",
+        *TINY,
+        check=False,
+        timeout=600,
     )
     assert proc.returncode == 2, proc.stderr
     assert "nope.jsonl" in proc.stderr.strip().splitlines()[-1]

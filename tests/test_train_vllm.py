@@ -27,15 +27,33 @@ def test_grpo_loop_with_vllm_sampler(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [
-        sys.executable, "-m", "jaxrlvr.cli", "train", "configs/demo.yaml",
-        f"run.out_dir={run_dir}", "run.progress=false", "run.tensorboard=false",
-        "sampler.kind=vllm", f"sampler.vllm_python={python}",
+        sys.executable,
+        "-m",
+        "jaxrlvr.cli",
+        "train",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "sampler.kind=vllm",
+        f"sampler.vllm_python={python}",
         # head_dim 32: the smallest the CPU attention backend of vLLM supports
-        "model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=1",
-        "model.intermediate_size=128", "model.num_hidden_layers=1",
-        "data.synthetic_train_size=100", "data.synthetic_eval_size=8", "eval.max_problems=8",
-        "sft.steps=3", "sft.batch_size=8", "rl.steps=3", "rl.prompts_per_step=4",
-        "rl.group_size=4", "eval.every=3", "checkpoint.every=3", "reward.num_workers=1",
+        "model.hidden_size=64",
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "model.intermediate_size=128",
+        "model.num_hidden_layers=1",
+        "data.synthetic_train_size=100",
+        "data.synthetic_eval_size=8",
+        "eval.max_problems=8",
+        "sft.steps=3",
+        "sft.batch_size=8",
+        "rl.steps=3",
+        "rl.prompts_per_step=4",
+        "rl.group_size=4",
+        "eval.every=3",
+        "checkpoint.every=3",
+        "reward.num_workers=1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + (
@@ -48,8 +66,9 @@ def test_grpo_loop_with_vllm_sampler(tmp_path):
     assert len(rl) == 3
     for line in rl:
         # The weights reached the server after every update, and its logprobs match the
-        # trainer's own for the same tokens (float32 on both sides).
+        # trainer's own for the same tokens within 1e-4 (float32 on both sides; measured ~5e-7).
+        # The demo model has tied embeddings: this also guards the untied serving export.
         assert line["sync/total_s"] > 0
-        assert line["sampler_trainer_logprob_gap_max"] < 1e-3, line
+        assert line["sampler_trainer_logprob_gap_max"] < 1e-4, line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == 3

@@ -68,3 +68,19 @@ def test_default_export_dir_prefers_tmpfs():
             assert d.startswith("/dev/shm/")
     finally:
         os.rmdir(d)
+
+
+def test_tied_model_is_exported_untied_with_the_same_logits(tmp_path, helpers):
+    # vLLM's in-place reload loses the embedding/lm_head tie, so a tied model is served untied:
+    # lm_head.weight is a copy of the embedding and config.json says tie_word_embeddings=false.
+    cfg = helpers.tiny_model_config().replace(tie_word_embeddings=True)
+    model = jmodel.init_model(cfg, seed=5)
+    params = nnx.state(model, nnx.Param)
+    weight_export.export_weights(cfg, params, tmp_path)
+    written = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(written["lm_head.weight"], written["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    served = jmodel.load_hf(tmp_path)
+    ids = jax.numpy.arange(12, dtype=jax.numpy.int32).reshape(2, 6) % cfg.vocab_size
+    # Same weights, a transposed matmul: equal up to float32 summation order.
+    np.testing.assert_allclose(np.asarray(served(ids)), np.asarray(model(ids)), atol=1e-5)
