@@ -226,7 +226,15 @@ class LoopState:
 class Trainer:
     """Holds the run's components; ``run()`` drives the phases."""
 
-    def __init__(self, cfg: config_lib.TrainConfig, *, resume: bool = False):
+    def __init__(
+        self,
+        cfg: config_lib.TrainConfig,
+        *,
+        resume: bool = False,
+        step: int | None = None,
+        train: bool = True,
+    ):
+        """``train=False`` (eval, export): no metrics log, the run's files are left as they are."""
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
@@ -254,24 +262,34 @@ class Trainer:
         self.ref_params = None
         self._init_phase_state(params)
         if resume:
-            self._restore()
-        else:
+            self._restore(step)
+        elif train:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(config_lib.config_to_dict(cfg), f, sort_keys=False)
         self.iterator = self._make_iterator()
         if self.loop.data is not None:
             self.iterator.load_state_dict(self.loop.data)
-        self.sampler = build_sampler(
-            cfg,
-            nnx.merge(self.graphdef, self.state.params),
-            self.tokenizer,
-            self.mesh,
-            self.run_dir,
-        )
+        self._sampler = None
+        self.metrics = None
+        if not train:
+            return
         self.metrics = metrics_lib.MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard)
         if resume:
             # Lines after the restored checkpoint were logged by the killed run; drop them.
             self.metrics.truncate_after(self.global_step + 1)
+
+    @property
+    def sampler(self):
+        """The rollout sampler, started on first use (export never starts one)."""
+        if self._sampler is None:
+            self._sampler = build_sampler(
+                self.cfg,
+                nnx.merge(self.graphdef, self.state.params),
+                self.tokenizer,
+                self.mesh,
+                self.run_dir,
+            )
+        return self._sampler
 
     # -- state and phases ---------------------------------------------------------------------
     @property
@@ -351,8 +369,9 @@ class Trainer:
         tree = {"state": self.state, "ref_params": self.ref_params}
         self.ckpt.save(self.global_step, tree, extra)
 
-    def _restore(self) -> None:
-        step = self.ckpt.latest_step()
+    def _restore(self, step: int | None = None) -> None:
+        """Restores checkpoint ``step`` (default: the newest complete one)."""
+        step = self.ckpt.latest_step() if step is None else step
         if step is None:
             log(f"--resume: no complete checkpoint in {self.ckpt.directory}; starting fresh")
             return
@@ -687,12 +706,14 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.sampler.close()
+        if self._sampler is not None:
+            with contextlib.suppress(Exception):
+                self._sampler.close()
         with contextlib.suppress(Exception):
             self.pool.close()
-        with contextlib.suppress(Exception):
-            self.metrics.close()
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                self.metrics.close()
 
 
 def run(cfg: config_lib.TrainConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -720,7 +741,7 @@ def run(cfg: config_lib.TrainConfig, *, resume: bool = False) -> dict[str, Any]:
 def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> dict[str, float]:
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    trainer = Trainer(cfg, resume=run_dir is not None)
+    trainer = Trainer(cfg, resume=run_dir is not None, train=False)
     try:
         trainer.sampler.update_weights(trainer.state.params)
         return trainer._evaluate()
@@ -741,7 +762,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) ->
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"{run_dir}/checkpoints: no complete checkpoint")
-    trainer = Trainer(cfg, resume=True)
+    trainer = Trainer(cfg, resume=True, step=step, train=False)
     try:
         model = nnx.merge(trainer.graphdef, trainer.state.params)
         model_lib.save_hf(model, out_dir, tokenizer_src=trainer.tokenizer)

@@ -122,6 +122,10 @@ def test_demo_pipeline_end_to_end(tmp_path):
     np.testing.assert_array_equal(hf.model.embed_tokens.weight.detach().numpy(), emb)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|endoftext|>"
+    # An older checkpoint exports too, and exporting leaves the run's metrics untouched.
+    _jaxrlvr("export", str(run_dir), str(tmp_path / "hf6"), "--step", "6")
+    assert json.loads((tmp_path / "hf6" / "jaxrlvr_export.json").read_text())["step"] == 6
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 7
 
     # eval on the run's checkpoint
     proc = _jaxrlvr(
