@@ -328,7 +328,10 @@ class Trainer:
         if phase == "sft" or cfg.rl.algo == "expert_iteration":
             micro = cfg.sft.microbatches if phase == "sft" else cfg.rl.microbatches
             sft_cfg = updates.SFTUpdateConfig(num_microbatches=micro)
-            return updates.make_sft_update(self.graphdef, tx, sft_cfg, lr_schedule=schedule)
+            factory = (
+                updates.make_sft_update if phase == "sft" else updates.make_expert_iteration_update
+            )
+            return factory(self.graphdef, tx, sft_cfg, lr_schedule=schedule)
         if cfg.rl.algo == "ppo":
             ppo_cfg = updates.PPOUpdateConfig(
                 loss=cfg.rl.loss,
