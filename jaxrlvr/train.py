@@ -263,7 +263,7 @@ class Trainer:
         self._init_phase_state(params)
         if resume:
             self._restore(step)
-        elif train:
+        elif train and jax.process_index() == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(config_lib.config_to_dict(cfg), f, sort_keys=False)
         self.iterator = self._make_iterator()
@@ -271,12 +271,17 @@ class Trainer:
             self.iterator.load_state_dict(self.loop.data)
         self._sampler = None
         self.metrics = None
-        if not train:
+        # Multi-host: every process runs the same loop; only process 0 writes the run's files.
+        if not train or jax.process_index() != 0:
             return
         self.metrics = metrics_lib.MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard)
         if resume:
             # Lines after the restored checkpoint were logged by the killed run; drop them.
             self.metrics.truncate_after(self.global_step + 1)
+
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.log(step, metrics)
 
     @property
     def sampler(self):
@@ -467,7 +472,7 @@ class Trainer:
             m["time/step_s"] = time.perf_counter() - t0
             self.loop.sft_step += 1
             if self.loop.sft_step < cfg.sft.steps:
-                self.metrics.log(self.global_step, m)
+                self._log(self.global_step, m)
             else:
                 last = m  # logged with the post-SFT evaluation below
             progress.update(1)
@@ -481,7 +486,7 @@ class Trainer:
         self.sampler.update_weights(self.state.params)
         ev = self._evaluate()
         self.loop.eval_after_sft = ev
-        self.metrics.log(self.global_step, {**last, **ev})
+        self._log(self.global_step, {**last, **ev})
         log(f"after SFT warm start: held-out accuracy {ev.get('eval/accuracy', float('nan')):.3f}")
         # Switch to the RL phase with a fresh optimiser state.
         self.loop.phase = "rl"
@@ -667,7 +672,7 @@ class Trainer:
             self.run_sft(progress)
         if cfg.sft.steps == 0 and self.loop.rl_step == 0 and cfg.eval.at_start:
             self.loop.eval_after_sft = self._evaluate()
-            self.metrics.log(0, self.loop.eval_after_sft)
+            self._log(0, self.loop.eval_after_sft)
         if cfg.rl.algo != "none":
             if cfg.rl.algo == "ppo":
                 self.value_fn = jax.jit(value.make_value_fn(self.graphdef))
@@ -678,7 +683,7 @@ class Trainer:
                     ev = self._evaluate()
                     m.update(ev)
                     self.loop.eval_history.append({"step": self.loop.rl_step, **ev})
-                self.metrics.log(self.global_step, m)
+                self._log(self.global_step, m)
                 progress.update(1)
                 progress.set_postfix(
                     phase=cfg.rl.algo,
@@ -705,7 +710,8 @@ class Trainer:
             "wall_s": time.perf_counter() - t_start,
             "checkpoints": os.path.abspath(self.ckpt.directory),
         }
-        self.metrics.write_summary(summary)
+        if self.metrics is not None:
+            self.metrics.write_summary(summary)
         return summary
 
     def close(self) -> None:
