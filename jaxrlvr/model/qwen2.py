@@ -235,7 +235,8 @@ def _decoder_layer(
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index):
-    """All decoder layers by ``lax.scan`` over the stacked parameters.
+    """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
+    ``cfg.scan_layers`` is False and there is no cache.
 
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
@@ -250,7 +251,12 @@ def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_
 
     if cfg.remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    return jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+    if cfg.scan_layers or k_cache is not None:
+        return jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+    # Unrolled (``scan_layers=False``, no cache): the same body on static slices of the stack.
+    for i in range(cfg.num_hidden_layers):
+        x, _ = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), None, None))
+    return x, (None, None)
 
 
 class Qwen2ForCausalLM(nnx.Module):

@@ -299,6 +299,7 @@ def load_hf(
     param_dtype: str = "float32",
     mesh=None,
     remat: bool = False,
+    scan_layers: bool = True,
 ) -> Qwen2ForCausalLM:
     """Loads a Hugging Face Qwen2 checkpoint directory into a ``Qwen2ForCausalLM``.
 
@@ -315,7 +316,9 @@ def load_hf(
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: missing config.json")
     try:
-        cfg = ModelConfig.from_json(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+        cfg = ModelConfig.from_json(
+            path, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers
+        )
     except ConfigError as e:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
     handles: dict = {}

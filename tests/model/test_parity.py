@@ -136,6 +136,38 @@ def test_remat_does_not_change_logits(hf_untied):
     np.testing.assert_allclose(helpers.forward(lm, ids), ref, atol=F32_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_unrolled_layers_match_transformers_and_scan(hf_untied, remat):
+    # scan_layers=False runs the same stacked parameters through a Python loop; the logits and
+    # the gradient must be those of the scanned model (same math, different buffers: observed
+    # |diff| ~1e-7 relative, so 1e-5 of each gradient's scale leaves margin, while a wrong
+    # layer order or a skipped layer moves them by O(0.1)).
+    import jax
+    from flax import nnx
+
+    ids = helpers.random_ids(B, T, seed=8)
+    unrolled = M.load_hf(hf_untied.path, scan_layers=False, remat=remat)
+    scanned = M.load_hf(hf_untied.path, remat=remat)
+    assert not unrolled.config.scan_layers and scanned.config.scan_layers
+    ref = helpers.torch_logits(hf_untied.torch_model, ids)
+    np.testing.assert_allclose(helpers.forward(unrolled, ids), ref, atol=F32_ATOL, rtol=0)
+
+    def grads(lm):
+        graphdef, params = nnx.split(lm, nnx.Param)
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(jnp.asarray(ids))
+            return jax.nn.log_softmax(logits)[..., 0].mean()
+
+        return jax.jit(jax.grad(loss))(params)
+
+    for a, b in zip(jax.tree.leaves(grads(unrolled)), jax.tree.leaves(grads(scanned))):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = np.abs(b).max()
+        assert scale > 0  # every parameter, the per-layer stacks included, gets a gradient
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0)
+
+
 # bfloat16 has an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3 per op). Over 2 layers of
 # O(1)-scale matmuls the logits (std ~1-3 here) drift: observed max |diff| 0.079, mean 0.015,
 # the same for float32 and bfloat16 storage (compute casts weights to bfloat16 either way).
