@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import concurrent.futures
 import os
 import signal
 import socket
@@ -39,8 +40,28 @@ SERVED_MODEL_NAME = "jaxrlvr-policy"
 
 # Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
 # also means they outlive an interpreter that exits without stopping them; stop them at exit.
-# (A SIGKILLed parent still leaves them behind.)
+# A parent that dies without running atexit (SIGKILL, OOM killer) is covered on Linux by the
+# parent-death signal below.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+# Linux delivers PR_SET_PDEATHSIG when the *thread* that forked the child exits, so servers are
+# forked from one launcher thread that lives as long as the interpreter (a restart may happen in
+# a short-lived worker thread of the sampler).
+_PR_SET_PDEATHSIG = 1
+_LAUNCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-launch")
+
+
+def _parent_death_hook():
+    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies, or None off Linux.
+
+    ``prctl`` is looked up here, before the fork: the hook itself only makes the one call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @atexit.register
@@ -179,14 +200,16 @@ class VLLMServer:
             log.write(f"\n=== jaxrlvr: starting {' '.join(self.command())}\n".encode())
             log.flush()
             # A new session makes the server the leader of its own process group, so that stop()
-            # also reaches the EngineCore child it spawns.
-            self._proc = subprocess.Popen(
+            # also reaches the EngineCore child it spawns; vLLM stops that child on SIGTERM.
+            self._proc = _LAUNCHER.submit(
+                subprocess.Popen,
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
-            )
+                preexec_fn=_parent_death_hook(),
+            ).result()
         _LIVE.add(self)
         self._wait_ready()
 

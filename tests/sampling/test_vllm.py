@@ -234,3 +234,82 @@ def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_server_stops_when_its_parent_is_sigkilled(vllm_python, tiny_export, tmp_path):
+    # A trainer killed with SIGKILL runs no atexit hook; the server must not outlive it (the
+    # parent-death signal reaches vLLM's API server, which stops its engine process).
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = vllm_server.pick_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxrlvr.cli", "serve-vllm", "--model", str(tiny_export["dir"])]
+        + ["--python", vllm_python, "--port", str(port), "--log", str(tmp_path / "cli.log")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "JAXRLVR_VLLM_PYTHON"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready at" in line or proc.poll() is not None:
+                break
+        assert f"ready at {url}" in "".join(lines), "".join(lines)
+        assert httpx.get(url + "/health", timeout=5.0).status_code == 200
+        session = _session_of_server_on(port)
+        assert len(_pids_in_session(session)) >= 2  # the API server and its engine process
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while _pids_in_session(session) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        left = _pids_in_session(session)
+        assert not left, f"vLLM processes {left} outlived their SIGKILLed parent by 60 s"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _proc_stat(pid: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()  # fields after the command name
+    except OSError:
+        return None
+
+
+def _pids_in_session(session: int) -> list[int]:
+    """Live (non-zombie) processes of a session, from /proc."""
+    import os
+
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _proc_stat(pid)
+        if stat is not None and stat[0] != "Z" and int(stat[3]) == session:
+            out.append(int(pid))
+    return out
+
+
+def _session_of_server_on(port: int) -> int:
+    """The session id of the vLLM API server started with ``--port port`` (its own session)."""
+    import os
+
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
+            return int(_proc_stat(pid)[3])
+    raise AssertionError(f"no vLLM API server process found for port {port}")
