@@ -4,7 +4,8 @@ Each system runs in its own subprocess (so peak RSS is per system) on identical 
 weights (one Hugging Face checkpoint written by jaxrlvr's ``save_hf``) and batch (NumPy seed):
 
 - ``jaxrlvr``: ``updates.make_grpo_update`` compiled by ``step.jit_update`` (donated state,
-  explicit shardings on a one-device mesh), microbatches by ``lax.scan``;
+  explicit shardings on a one-device mesh), microbatches by ``lax.scan``, decoder layers unrolled
+  (``scan_layers=False``, the faster step; ``--scan-layers`` times the scanned stack instead);
 - ``torch``: transformers ``Qwen2ForCausalLM`` (float32, ``attn_implementation="sdpa"``, all
   cores), the same GRPO clipped loss with the same full-batch ``seq_mean_token_mean``
   aggregation, gradient accumulation, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
@@ -124,7 +125,7 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool) -> dict:
+def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool, scan_layers: bool) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -135,7 +136,14 @@ def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool) -> dict:
     from jaxrlvr.algos import state as state_lib
 
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    lm = M.load_hf(weights, dtype="float32", param_dtype="float32", mesh=mesh, remat=remat)
+    lm = M.load_hf(
+        weights,
+        dtype="float32",
+        param_dtype="float32",
+        mesh=mesh,
+        remat=remat,
+        scan_layers=scan_layers,
+    )
     graphdef, params = nnx.split(lm, nnx.Param)
     ocfg = optim.OptimizerConfig(
         learning_rate=LR, max_grad_norm=MAX_GRAD_NORM, b1=BETAS[0], b2=BETAS[1], eps=EPS
@@ -235,7 +243,8 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
 def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv = ["--_worker", kind, "--_weights", weights]
     argv += ["--steps", str(args.steps), "--threads", str(args.threads)]
-    argv += [flag for flag, on in (("--tiny", args.tiny), ("--remat", args.remat)) if on]
+    flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
+    argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
 
 
@@ -247,6 +256,11 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="jaxrlvr,torch")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     p.add_argument("--remat", action="store_true", help="jaxrlvr: rematerialise each layer")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="jaxrlvr: lax.scan over the layers (faster compile) instead of the unrolled loop",
+    )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_weights", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
@@ -258,7 +272,7 @@ def main(argv=None) -> int:
         if args._worker == "init":
             rec = _worker_init(shape, args._weights)
         elif args._worker == "jaxrlvr":
-            rec = _worker_jax(shape, args._weights, args.steps, args.remat)
+            rec = _worker_jax(shape, args._weights, args.steps, args.remat, args.scan_layers)
         else:
             rec = _worker_torch(shape, args._weights, args.steps, args.threads)
         common.save_json(args._out, rec)
@@ -288,6 +302,7 @@ def main(argv=None) -> int:
                 "tokens_per_step": shape.tokens,
                 "microbatches": shape.microbatches,
                 "remat": bool(args.remat) if s == "jaxrlvr" else False,
+                "scan_layers": bool(args.scan_layers) if s == "jaxrlvr" else False,
                 "tokens_per_s": shape.tokens / step_s,
                 "step_s": step_s,
                 "step_times_s": r["step_times_s"],
