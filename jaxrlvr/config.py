@@ -130,14 +130,19 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOSection:
-    """PPO's own settings (``algos.updates.PPOUpdateConfig``); the policy loss is ``rl.loss``."""
+    """PPO's own settings (``algos.updates.PPOUpdateConfig``); the policy loss is ``rl.loss``.
+
+    trunk: "shared" / "detached" put the value head on the policy's hidden states; "separate"
+    trains a critic model of its own, initialised from the policy's weights when the RL phase
+    starts (after the SFT warm start, if any), with the same optimiser settings as the policy.
+    """
 
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float | None = 0.2
     vf_coef: float = 0.1
     normalize_advantages: bool = True
-    trunk: Literal["shared", "detached"] = "shared"
+    trunk: Literal["shared", "detached", "separate"] = "shared"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -313,9 +313,15 @@ class Trainer:
         """(Re)builds the update, the state and their shardings for ``phase``."""
         cfg = self.cfg
         tx = self._phase_tx(phase)
-        value_params = value_tx = None
+        value_params = value_tx = self.value_graphdef = None
         if phase == "rl" and cfg.rl.algo == "ppo":
-            value_params = value.init_value_head(self.model_cfg.hidden_size, cfg.run.seed + 1)
+            if cfg.rl.ppo.trunk == "separate":
+                # The critic starts as a copy of the policy at the start of RL (verl's default).
+                self.value_graphdef, value_params = value.init_value_model(
+                    self.graphdef, params, rng=cfg.run.seed + 1
+                )
+            else:
+                value_params = value.init_value_head(self.model_cfg.hidden_size, cfg.run.seed + 1)
             value_tx = tx
         state = state_lib.TrainState.create(
             self.graphdef, params, tx, rng, value_params=value_params, value_tx=value_tx
@@ -344,7 +350,12 @@ class Trainer:
                 **dataclasses.asdict(cfg.rl.ppo),
             )
             return updates.make_ppo_update(
-                self.graphdef, tx, value_tx, ppo_cfg, lr_schedule=schedule
+                self.graphdef,
+                tx,
+                value_tx,
+                ppo_cfg,
+                lr_schedule=schedule,
+                value_graphdef=self.value_graphdef,
             )
         grpo_cfg = updates.GRPOUpdateConfig(loss=cfg.rl.loss, num_microbatches=cfg.rl.microbatches)
         return updates.make_grpo_update(self.graphdef, tx, grpo_cfg, lr_schedule=schedule)
@@ -675,7 +686,9 @@ class Trainer:
             self._log(0, self.loop.eval_after_sft)
         if cfg.rl.algo != "none":
             if cfg.rl.algo == "ppo":
-                self.value_fn = jax.jit(value.make_value_fn(self.graphdef))
+                self.value_fn = jax.jit(
+                    value.make_value_fn(self.graphdef, value_graphdef=self.value_graphdef)
+                )
             self.sampler.update_weights(self.state.params)
             while self.loop.rl_step < cfg.rl.steps:
                 m = self.rl_step()

@@ -55,6 +55,8 @@ def test_dotted_overrides():
     assert cfg.rl.group_size == 4
     assert cfg.rl.loss.clip_eps_high == 0.28
     assert cfg.sampler.stop == ()
+    sep = config_lib.load_config("configs/demo.yaml", ["rl.ppo.trunk=separate"])
+    assert sep.rl.ppo.trunk == "separate"
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,10 @@ def test_dotted_overrides():
         ("rl.group_size=four", "rl.group_size='four': expected an integer"),
         ("sampler.kind=tpu", "sampler.kind='tpu': expected one of ['jax', 'vllm']"),
         ("rl.loss.aggregation=sum", "rl.loss.aggregation='sum': expected one of"),
+        (
+            "rl.ppo.trunk=tied",
+            "rl.ppo.trunk='tied': expected one of ['shared', 'detached', 'separate']",
+        ),
         ("rl.group_size=1", "group_size=1"),
         ("nonsense", "expected key=value"),
     ],

@@ -139,8 +139,12 @@ def test_demo_pipeline_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "expert_iteration"])
-def test_other_algorithms_run(tmp_path, algo):
+@pytest.mark.parametrize(
+    "algo, extra",
+    [("ppo", ()), ("ppo", ("rl.ppo.trunk=separate",)), ("expert_iteration", ())],
+    ids=["ppo", "ppo_separate_critic", "expert_iteration"],
+)
+def test_other_algorithms_run(tmp_path, algo, extra):
     run_dir = tmp_path / algo
     _jaxrlvr(
         "train",
@@ -152,6 +156,7 @@ def test_other_algorithms_run(tmp_path, algo):
         "eval.every=2",
         "checkpoint.every=2",
         *TINY,
+        *extra,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4

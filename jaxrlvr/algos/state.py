@@ -2,9 +2,10 @@
 
 ``TrainState`` holds only arrays: the step counter, the policy parameters (an ``nnx.State`` of
 ``nnx.Param`` leaves that carry their ``logical_axes``), the optimiser state, a PRNG key, and for
-PPO the value-head parameters and their optimiser state. The model's graph definition and the
-optax transformation are static and live in the update's closure, so the state can be donated,
-sharded (``step.state_shardings``) and checkpointed as a plain pytree.
+PPO the critic's parameters (a value head, or a separate value model) and their optimiser state.
+The models' graph definitions and the optax transformations are static and live in the update's
+closure, so the state can be donated, sharded (``step.state_shardings``) and checkpointed as a
+plain pytree.
 
 Not here: the reference model (it holds no optimiser state: keep its params apart and use
 ``updates.make_logprob_fn``), and checkpointing.
@@ -23,7 +24,8 @@ class TrainState:
     """step: int32 scalar, the number of applied optimiser updates (a non-finite step is not
     counted); params: policy ``nnx.State``; opt_state: the optax state of ``params``; rng: a PRNG
     key (uint32 [2]), advanced on every applied update; value_params / value_opt_state: the PPO
-    value head and its optax state, None otherwise."""
+    critic (``value.init_value_head``, or ``value.init_value_model`` for a separate value model)
+    and its optax state, None otherwise."""
 
     step: jax.Array
     params: nnx.State
@@ -51,8 +53,9 @@ class TrainState:
           params: the policy's ``nnx.Param`` state, e.g. ``nnx.split(model, nnx.Param)[1]``.
           tx: optax transformation for the policy (``optim.make_optimizer``).
           rng: PRNG key or integer seed.
-          value_params: PPO value-head parameters (``value.init_value_head``), or None.
-          value_tx: optax transformation for the value head; required with ``value_params``.
+          value_params: PPO critic parameters (``value.init_value_head`` or
+            ``value.init_value_model``), or None.
+          value_tx: optax transformation for the critic; required with ``value_params``.
         """
         if params is None:
             if isinstance(model_or_graphdef, nnx.GraphDef):

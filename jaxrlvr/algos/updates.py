@@ -16,7 +16,7 @@ it with donation and explicit shardings. Inside one call:
    microbatch stays spread over all data shards without any data movement;
 3. the optax chain (``optim.make_optimizer``: global-norm clipping, AdamW, schedule) is applied;
 4. if the loss or the pre-clip gradient norm is not finite, the whole state (step, params,
-   optimiser state, rng, value head) is returned unchanged and ``metrics["nonfinite"] = 1``;
+   optimiser state, rng, critic) is returned unchanged and ``metrics["nonfinite"] = 1``;
    ``step.jit_update(on_nonfinite="raise")`` turns that into a host-side error.
 
 Metrics are float32 scalars: ``loss``, ``policy_loss``, ``pg_loss``, ``kl_loss``, ``kl``,
@@ -92,15 +92,19 @@ class GRPOUpdateConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOUpdateConfig:
-    """PPO with a value head on the policy trunk and GAE (Schulman et al. 2016, 2017).
+    """PPO with a value head and GAE (Schulman et al. 2016, 2017).
 
     loss: the policy objective; with ``kl_in="reward"`` and ``kl_coef > 0`` the KL to the
         reference (on ``old_logp``) is subtracted from every token's reward (InstructGPT).
     gamma, lam: discount and GAE lambda.
     value_clip: clip range of the value loss around ``old_values`` (None: unclipped).
-    vf_coef: weight of the value loss in the total loss.
+    vf_coef: weight of the value loss in the total loss. With ``trunk="separate"`` the two
+        losses share no parameter, so it only scales the critic's gradient (its optimiser and
+        gradient clipping are its own).
     normalize_advantages: whiten the GAE advantages over the valid tokens of the full batch.
-    trunk: "shared" (the value loss also trains the trunk) or "detached" (only the head).
+    trunk: where the value head reads its hidden states (``value.Trunk``): "shared" (the policy
+        trunk; the value loss also trains it), "detached" (the policy trunk; only the head
+        learns) or "separate" (a critic model of its own, ``value.init_value_model``).
     """
 
     loss: loss_config.PolicyLossConfig = dataclasses.field(
@@ -497,16 +501,31 @@ def make_ppo_update(
     cfg: PPOUpdateConfig | None = None,
     *,
     lr_schedule: LRSchedule = None,
+    value_graphdef: nnx.GraphDef | None = None,
 ) -> Callable:
     """PPO update: clipped policy loss on GAE advantages + vf_coef * clipped value loss.
 
-    The state must carry ``value_params`` (``value.init_value_head``) and ``value_opt_state``
-    (of ``value_tx``). The batch needs ``rewards`` [B], ``old_values`` [B, T] (from
-    ``value.make_value_fn`` at rollout time) and ``old_logp``; ``ref_logp`` when ``kl_coef > 0``.
-    Advantages and returns are computed on the full batch (``ppo_advantages``) before the
-    microbatch scan; the value loss is normalised by the full batch's loss-token count.
+    The state must carry ``value_params`` and ``value_opt_state`` (of ``value_tx``):
+    ``value.init_value_head`` for ``trunk="shared"``/``"detached"``; for ``trunk="separate"``
+    the critic of ``value.init_value_model``, whose graph definition is passed here as
+    ``value_graphdef`` (static, like ``graphdef``). The batch needs ``rewards`` [B],
+    ``old_values`` [B, T] (from ``value.make_value_fn`` at rollout time) and ``old_logp``;
+    ``ref_logp`` when ``kl_coef > 0``. Advantages and returns are computed on the full batch
+    (``ppo_advantages``) before the microbatch scan; the value loss is normalised by the full
+    batch's loss-token count. A separate critic runs its own forward pass inside the same
+    microbatch scan; its gradient is exactly vf_coef * grad(value loss).
     """
     cfg = cfg or PPOUpdateConfig()
+    separate = cfg.trunk == "separate"
+    if separate != (value_graphdef is not None):
+        raise ValueError(
+            f"make_ppo_update: trunk={cfg.trunk!r} "
+            + (
+                "needs value_graphdef (from value.init_value_model)"
+                if separate
+                else "takes no value_graphdef (only trunk='separate' has a critic model)"
+            )
+        )
     required = ("rewards", "old_values", "old_logp")
     if cfg.loss.kl_coef > 0:
         required += ("ref_logp",)
@@ -528,9 +547,16 @@ def make_ppo_update(
             mb, adv, returns = xs
             lm = nnx.merge(graphdef, params)
             logp, ent, hidden = token_logprobs(lm, mb, entropy_grad=entropy_grad)
-            if cfg.trunk == "detached":
-                hidden = jax.lax.stop_gradient(hidden)
-            values = value.values_from_hidden(value_params, hidden)
+            if separate:
+                # The critic's own trunk: no parameter in common with the policy, so each
+                # loss's gradient reaches only its own model.
+                values = value.value_model_values(
+                    value_graphdef, value_params, mb.input_ids, mb.attention_mask
+                )
+            else:
+                if cfg.trunk == "detached":
+                    hidden = jax.lax.stop_gradient(hidden)
+                values = value.values_from_hidden(value_params, hidden)
             p_loss, metrics = _policy_terms(logp, ent, mb, adv, mb.loss_mask, cfg.loss, denom)
             v_loss, v_metrics = gae.value_loss(
                 values, mb.old_values, returns, mb.loss_mask, cfg.value_clip, denominator=v_denom

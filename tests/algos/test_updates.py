@@ -158,28 +158,168 @@ def test_microbatches_equal_full_batch_sft(norm):
     np.testing.assert_allclose(float(res[0][1]["nll"]), float(res[1][1]["nll"]), rtol=1e-6)
 
 
-def test_microbatches_equal_full_batch_ppo():
-    cfg, graphdef, params = _model()
-    batch = _batch(seed=5, advantages=None)
-    rng = np.random.default_rng(0)
-    batch = batch.replace(
+def _ppo_batch(graphdef, params, seed=5, old_values=None):
+    """A PPO batch: random 0/1 rewards, perturbed old log-probs, old values ~ N(0, 0.1^2)."""
+    batch = _batch(seed=seed, advantages=None)
+    rng = np.random.default_rng(seed)
+    if old_values is None:
+        old_values = jnp.asarray(0.1 * rng.normal(size=(B, T)).astype(np.float32))
+    return batch.replace(
         old_logp=_old_logp(graphdef, params, batch),
         rewards=jnp.asarray(rng.integers(0, 2, B).astype(np.float32)),
-        old_values=jnp.asarray(0.1 * rng.normal(size=(B, T)).astype(np.float32)),
+        old_values=old_values,
     )
-    vp = value.init_value_head(cfg.hidden_size, 0, std=0.1)
+
+
+def _critic(trunk, cfg, graphdef, params, std=0.1):
+    """(value_params, value_graphdef) for ``trunk``: a head, or a separate critic model."""
+    if trunk == "separate":
+        vgd, vp = value.init_value_model(graphdef, params, rng=0, std=std)
+        return vp, vgd
+    return value.init_value_head(cfg.hidden_size, 0, std=std), None
+
+
+@pytest.mark.parametrize("trunk", ["shared", "separate"])
+def test_microbatches_equal_full_batch_ppo(trunk):
+    cfg, graphdef, params = _model()
+    batch = _ppo_batch(graphdef, params)
+    vp, vgd = _critic(trunk, cfg, graphdef, params)
     state = state_lib.TrainState.create(graphdef, params, _SGD, value_params=vp, value_tx=_SGD)
     res = [
         jax.jit(
             updates.make_ppo_update(
-                graphdef, _SGD, _SGD, updates.PPOUpdateConfig(num_microbatches=n)
+                graphdef,
+                _SGD,
+                _SGD,
+                updates.PPOUpdateConfig(num_microbatches=n, trunk=trunk),
+                value_graphdef=vgd,
             )
         )(state, batch)
         for n in (1, 4)
     ]
     assert _tree_max_diff(res[0][0].params, res[1][0].params) < 1e-6
     assert _tree_max_diff(res[0][0].value_params, res[1][0].value_params) < 1e-6
+    assert _tree_max_diff(res[0][0].value_params, vp) > 1e-3  # the critic did move
     np.testing.assert_allclose(float(res[0][1]["vf_loss"]), float(res[1][1]["vf_loss"]), rtol=1e-5)
+    for key in ("value_grad_norm", "vf_error_sq", "value_mean"):
+        np.testing.assert_allclose(float(res[0][1][key]), float(res[1][1][key]), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO with a separate critic model (trunk="separate").
+
+
+def test_ppo_separate_critic_and_policy_each_get_only_their_own_loss():
+    """One compiled update, two batches.
+
+    1. old_values = the row's reward on every loss token makes every GAE delta (gamma = 1) and
+       so every advantage exactly 0: the policy loss has a zero gradient and, with no KL or
+       entropy term, the policy must stay bit-identical under SGD while the critic learns.
+    2. With live advantages, the critic's gradient is exactly vf_coef * grad of the clipped value
+       loss, written out here from the critic's own forward pass.
+    """
+    cfg, graphdef, params = _model()
+    vgd, vp = value.init_value_model(graphdef, params, rng=1, std=0.1)
+    ppo = updates.PPOUpdateConfig(trunk="separate", num_microbatches=2, vf_coef=0.3)
+    unit_sgd = optax.sgd(1.0)  # new critic = old critic - gradient
+    state = state_lib.TrainState.create(graphdef, params, _SGD, value_params=vp, value_tx=unit_sgd)
+    upd = jax.jit(updates.make_ppo_update(graphdef, _SGD, unit_sgd, ppo, value_graphdef=vgd))
+
+    zero = _ppo_batch(graphdef, params, seed=13)
+    zero = zero.replace(old_values=jnp.broadcast_to(zero.rewards[:, None], (B, T)))
+    new, m = upd(state, zero)
+    assert float(m["advantage_mean"]) == 0.0 and float(m["vf_loss"]) > 0
+    assert _tree_equal(new.params, state.params)  # bit-identical policy
+    assert _tree_max_diff(new.value_params["backbone"], vp["backbone"]) > 1e-4
+    assert _tree_max_diff(new.value_params["head"], vp["head"]) > 1e-4
+
+    live = _ppo_batch(graphdef, params, seed=14)
+    new, m = upd(state, live)
+    assert float(m["pg_loss"]) != 0.0 and float(m["vf_clip_frac"]) > 0  # both terms are live
+    assert _tree_max_diff(new.params, state.params) > 1e-4
+    _, returns = updates.ppo_advantages(live, ppo)
+    mask = live.loss_mask.astype(jnp.float32)
+
+    def value_loss(vp):
+        critic = nnx.merge(vgd, vp["backbone"])
+        hidden, _ = critic.backbone(live.input_ids, live.attention_mask)
+        v = hidden @ vp["head"]["kernel"] + vp["head"]["bias"]
+        v_clip = live.old_values + jnp.clip(v - live.old_values, -0.2, 0.2)
+        err = jnp.maximum(jnp.square(v - returns), jnp.square(v_clip - returns))
+        return ppo.vf_coef * jnp.sum(0.5 * err * mask) / jnp.sum(mask)
+
+    want = jax.jit(jax.grad(value_loss))(vp)
+    got = jax.tree.map(lambda old, new: old - new, state.value_params, new.value_params)
+    assert _tree_max_diff(got, want) < 1e-6
+    assert _tree_max_diff(want, jax.tree.map(jnp.zeros_like, want)) > 1e-3  # nonzero gradient
+    np.testing.assert_allclose(
+        float(m["value_grad_norm"]), float(optax.global_norm(want)), rtol=1e-5
+    )
+
+
+def test_init_value_model_copies_the_policy_without_its_lm_head():
+    cfg, graphdef, params = _model(tie_word_embeddings=False)
+    vgd, vp = value.init_value_model(graphdef, params, rng=0, std=0.1)
+    assert "lm_head" in params and "lm_head" not in vp["backbone"]
+    assert set(vp) == {"backbone", "head"} and vp["head"]["kernel"].shape == (cfg.hidden_size,)
+    # Fresh buffers: donating the policy's state must not free the critic's weights.
+    pol = {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_leaves_with_path(params)}
+    for k, x in jax.tree_util.tree_leaves_with_path(vp["backbone"]):
+        y = pol[jax.tree_util.keystr(k)]
+        assert np.array_equal(x, y) and x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()
+    # At the start the critic's values are the head on the policy's own hidden states.
+    batch = _batch(seed=15)
+    sep = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))(params, vp, batch)
+    head = jax.jit(value.make_value_fn(graphdef))(params, vp["head"], batch)
+    np.testing.assert_allclose(sep, head, atol=1e-6)
+    assert sep.shape == (B, T) and sep.dtype == jnp.float32
+
+
+def test_ppo_separate_critic_compiles_once_and_keeps_shardings():
+    """Two jitted steps on the 8-device (data=2, fsdp=2, tensor=2) mesh: one trace, and the
+    critic's backbone (and its Adam moments) sharded exactly like the policy's."""
+    assert len(jax.devices()) == 8
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    cfg = M.ModelConfig.tiny()
+    graphdef, params = nnx.split(M.init_model(cfg, seed=0, mesh=mesh), nnx.Param)
+    vgd, vp = value.init_value_model(graphdef, params, std=0.1)
+    tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
+    state = state_lib.TrainState.create(graphdef, params, tx, value_params=vp, value_tx=tx)
+    ssh = step.state_shardings(state, mesh)
+
+    def specs(tree):
+        return [s.spec for s in jax.tree.leaves(tree)]
+
+    assert specs(ssh.value_params["backbone"]) == specs(ssh.params)  # tied: same tree
+    assert sum(not s.is_fully_replicated for s in jax.tree.leaves(ssh.value_params)) >= 10
+    assert specs(ssh.value_opt_state[1][0].mu["backbone"]) == specs(ssh.opt_state[1][0].mu)
+
+    upd = updates.make_ppo_update(
+        graphdef,
+        tx,
+        tx,
+        updates.PPOUpdateConfig(trunk="separate", num_microbatches=2),
+        value_graphdef=vgd,
+    )
+    traced = chex.assert_max_traces(upd, n=1)
+    traced.batch_spec = upd.batch_spec
+    cur = step.shard_state(state, mesh)
+    value_fn = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))
+    batch = _batch(seed=16, advantages=None)
+    batch = batch.replace(
+        old_logp=_old_logp(graphdef, params, batch),
+        rewards=jnp.asarray(np.random.default_rng(16).integers(0, 2, B).astype(np.float32)),
+        old_values=value_fn(cur.params, cur.value_params, batch),
+    )
+    jitted = step.jit_update(traced, ssh, step.batch_shardings(batch, mesh))
+    before = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
+    for _ in range(2):
+        cur, m = jitted(cur, step.shard_batch(batch, mesh))
+        assert float(m["nonfinite"]) == 0 and float(m["vf_loss"]) > 0
+    after = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
+    assert before == after
+    assert int(cur.step) == 2
+    chex.clear_trace_counter()
 
 
 def test_split_and_merge_microbatches_roundtrip_strided():
@@ -307,18 +447,23 @@ def test_grpo_raises_bandit_reward():
 
 
 @pytest.mark.slow  # 30-50 updates plus sampling: ~60 s on the shared 2 cores
-def test_ppo_raises_bandit_reward():
+@pytest.mark.parametrize("trunk", ["shared", "separate"])
+def test_ppo_raises_bandit_reward(trunk):
+    """The reward rises, and the critic (a head on the policy trunk, or a separate critic model)
+    tracks it: its value loss falls from its peak and its value ends near the expected reward."""
     cfg, graphdef, params = _model(vocab_size=_VOCAB)
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3))
     vtx = optax.adam(1e-2)
-    vp = value.init_value_head(cfg.hidden_size)
-    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, updates.PPOUpdateConfig(lam=1.0)))
-    value_fn = jax.jit(value.make_value_fn(graphdef))
+    vp, vgd = _critic(trunk, cfg, graphdef, params, std=0.0)
+    ppo = updates.PPOUpdateConfig(lam=1.0, trunk=trunk)
+    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, ppo, value_graphdef=vgd))
+    value_fn = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))
     logprob_fn = jax.jit(updates.make_logprob_fn(graphdef))
     sample = _bandit_fns(graphdef)
     state = state_lib.TrainState.create(graphdef, params, tx, value_params=vp, value_tx=vtx)
     key = jax.random.PRNGKey(1)
     _, p0 = sample(state.params, key)
+    vf = []
     for _ in range(50):
         key, sub = jax.random.split(key)
         tokens, _ = sample(state.params, sub)
@@ -333,20 +478,29 @@ def test_ppo_raises_bandit_reward():
             old_values=old_values,
         )
         state, m = upd(state, batch)
+        vf.append(float(m["vf_loss"]))
     _, p1 = sample(state.params, key)
     assert float(p0) < 0.1
     assert float(p1) > 0.5
+    # The value loss peaks while the reward is a coin flip, then falls once the critic has
+    # caught up with a near-deterministic reward (~1e-3 against a peak ~0.1).
+    assert np.mean(vf[-10:]) < 0.25 * max(vf)
+    v1 = value_fn(state.params, state.value_params, probe)[0, 2]  # the one loss position
+    assert abs(float(v1) - float(p1)) < 0.1
 
 
 @pytest.mark.slow  # 30-50 updates plus sampling: ~60 s on the shared 2 cores
-def test_ppo_value_loss_falls():
-    """Rewards fixed per row; the critic (head + shared trunk) must learn to predict them."""
+@pytest.mark.parametrize("trunk", ["shared", "separate"])
+def test_ppo_value_loss_falls(trunk):
+    """Rewards fixed per row; the critic (head + shared trunk, or a separate critic model) must
+    learn to predict them."""
     cfg, graphdef, params = _model()
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
     vtx = optax.adam(3e-2)
-    vp = value.init_value_head(cfg.hidden_size)
-    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, updates.PPOUpdateConfig(vf_coef=1.0)))
-    value_fn = jax.jit(value.make_value_fn(graphdef))
+    vp, vgd = _critic(trunk, cfg, graphdef, params, std=0.0)
+    ppo = updates.PPOUpdateConfig(vf_coef=1.0, trunk=trunk)
+    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, ppo, value_graphdef=vgd))
+    value_fn = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))
     logprob_fn = jax.jit(updates.make_logprob_fn(graphdef))
     state = state_lib.TrainState.create(graphdef, params, tx, value_params=vp, value_tx=vtx)
     base = _batch(seed=8, b=16, advantages=None)
@@ -506,7 +660,17 @@ def test_learning_rate_metric_and_clipping():
     [
         (lambda: optim.OptimizerConfig(schedule="linear"), "schedule must be one of"),
         (lambda: optim.OptimizerConfig(schedule="cosine"), "total_steps"),
-        (lambda: updates.PPOUpdateConfig(trunk="separate"), "trunk must be one of"),
+        (lambda: updates.PPOUpdateConfig(trunk="tied"), "trunk must be one of"),
+        (
+            lambda: updates.make_ppo_update(
+                None, _SGD, _SGD, updates.PPOUpdateConfig(trunk="separate")
+            ),
+            "trunk='separate' needs value_graphdef",
+        ),
+        (
+            lambda: updates.make_ppo_update(None, _SGD, _SGD, value_graphdef=object()),
+            "trunk='shared' takes no value_graphdef",
+        ),
         (lambda: updates.GRPOUpdateConfig(num_microbatches=0), "num_microbatches"),
         (lambda: step.jit_update(None, None, None, on_nonfinite="warn"), "on_nonfinite"),
         (lambda: distributed.DistributedConfig(enabled=True), "coordinator_address"),
