@@ -50,7 +50,9 @@ from jaxrlvr.algos.state import TrainState  # noqa: E402
 from jaxrlvr.algos.step import (  # noqa: E402
     batch_shardings,
     jit_update,
+    process_batch_rows,
     shard_batch,
+    shard_local_batch,
     shard_state,
     state_shardings,
 )
@@ -83,7 +85,9 @@ __all__ += [
     "make_ppo_update",
     "make_schedule",
     "make_sft_update",
+    "process_batch_rows",
     "shard_batch",
+    "shard_local_batch",
     "shard_state",
     "state_shardings",
     "validate_batch",

@@ -2,18 +2,27 @@
 
 ``state_shardings(state, mesh)`` derives a ``NamedSharding`` for every array of a ``TrainState``
 from the parameters' logical axes (``model.param_shardings``): the optimiser moments that mirror
-the params get the params' sharding, scalars (step, optax counts, rng) and the small PPO value
+the params get the params' sharding, and so do a separate PPO critic's backbone and its moments
+(they carry the policy's logical axes); scalars (step, optax counts, rng) and the small PPO value
 head are replicated. ``batch_shardings(batch, mesh)`` shards every batch array's leading axis over
 ('data', 'fsdp'). ``jit_update`` compiles ``update`` with those as explicit in/out shardings and
 ``donate_argnums=0`` (the old state's buffers are reused), validates each batch on the host
 before the call (so a malformed batch never reaches the compiler), and optionally raises on a
 non-finite step.
 
-Multi-host: every process calls these with the same global mesh; ``shard_batch`` builds global
-arrays from the batch each process holds in full (``jax.make_array_from_callback``: a process
-only touches its own devices' rows).
+Multi-host: every process calls these with the same global mesh. Two ways to feed a batch:
+
+- ``shard_batch``: every process holds the full global batch (the same rows everywhere, e.g. the
+  driver's rollouts, which every process computes); each process places only its own devices'
+  rows (``jax.make_array_from_callback``).
+- ``shard_local_batch``: each process holds only its own rows (a per-host data pipeline, or
+  per-host rollouts), the rows of the batch shards its devices hold
+  (``jax.make_array_from_process_local_data``); ``process_batch_rows`` says which rows of a
+  global batch those are. The global batch is never assembled on any host.
 """
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -71,13 +80,81 @@ def batch_shardings(batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Batch:
 
 
 def shard_batch(batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Batch:
-    """Global arrays for a batch that every process holds in full (NumPy or host arrays)."""
+    """Global arrays for a batch that every process holds in full (NumPy or host arrays).
+
+    Use it when every process has the same global batch; when each process has only its own
+    rows, use ``shard_local_batch``.
+    """
 
     def put(x, s):
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 
     return jax.tree.map(put, batch, batch_shardings(batch, mesh))
+
+
+def _batch_shard_layout(mesh: Mesh) -> tuple[int, list[int]]:
+    """(number of batch shards over ('data', 'fsdp'), the sorted shard indices that this
+    process's devices hold). Processes holding replicas of a shard (a batch axis not split over
+    processes) list the same indices."""
+    n = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
+    # On a global shape of n rows every shard is one row, and its start is the shard's index.
+    held = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((n,))
+    return n, sorted({idx[0].start or 0 for idx in held.values()})
+
+
+def process_batch_rows(mesh: Mesh, global_batch_size: int) -> np.ndarray:
+    """The rows of a ``global_batch_size``-row batch that this process feeds to
+    ``shard_local_batch``, in order (int64 [B_local]): global rows ``rows[i]`` sit at local row
+    ``i``. With one process, all rows in order."""
+    n, held = _batch_shard_layout(mesh)
+    if global_batch_size % n:
+        raise batch_lib.BatchError(
+            f"process_batch_rows: global batch size {global_batch_size} is not divisible by "
+            f"the {n} batch shards over ('data', 'fsdp')"
+        )
+    per = global_batch_size // n
+    return np.concatenate([np.arange(i * per, (i + 1) * per) for i in held])
+
+
+def shard_local_batch(local_batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Batch:
+    """Global arrays from the rows that this process holds (NumPy or host arrays).
+
+    Multi-host input without a global batch on any host: process p passes the rows of the batch
+    shards its own devices hold (rows split over ('data', 'fsdp') as ``batch_shardings``), in
+    global order. With P processes that split the batch axis evenly, each passes B / P rows and
+    the global batch is their concatenation in the mesh's process order (``process_batch_rows``
+    gives the exact global row indices); processes whose devices hold the same shards (a batch
+    axis not split over processes) must pass identical rows. Built with
+    ``jax.make_array_from_process_local_data``. With one process this equals
+    ``shard_batch(local_batch, mesh)``.
+
+    Raises:
+      batch.BatchError: the fields' row counts differ, or the local row count is not a multiple
+        of the number of batch shards this process holds.
+    """
+    n, held = _batch_shard_layout(mesh)
+    rows = {
+        f.name: np.shape(getattr(local_batch, f.name))[0]
+        for f in dataclasses.fields(local_batch)
+        if getattr(local_batch, f.name) is not None
+    }
+    if len(set(rows.values())) > 1:
+        raise batch_lib.BatchError(f"shard_local_batch: fields have different row counts {rows}")
+    local_rows = next(iter(rows.values()))
+    if local_rows % len(held):
+        raise batch_lib.BatchError(
+            f"shard_local_batch: {local_rows} local rows do not split evenly over the "
+            f"{len(held)} of {n} batch shards over ('data', 'fsdp') that process "
+            f"{jax.process_index()} holds; pass a multiple of {len(held)} rows"
+        )
+    global_rows = local_rows // len(held) * n
+
+    def put(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(s, x, (global_rows, *x.shape[1:]))
+
+    return jax.tree.map(put, local_batch, batch_shardings(local_batch, mesh))
 
 
 def jit_update(

@@ -2,8 +2,11 @@
 
 Usage: python _multiprocess_worker.py OUT PORT NUM_PROCESSES PROCESS_ID
 With NUM_PROCESSES == 1 it runs in a single process on a one-device mesh (the reference).
-Each process has 4 fake CPU devices and uses gloo collectives. Every process writes the
-updated params (gathered to its host) and the loss to OUT.<process_id>.npz.
+Each process has 4 fake CPU devices and uses gloo collectives. The same update runs twice from
+the same initial state: once on the full batch that every process holds (``step.shard_batch``),
+once on only this process's own rows (``step.shard_local_batch``). Every process writes the
+updated params (gathered to its host) and the loss of both runs, the second under "local/", and
+the global row indices it fed to the second, to OUT.<process_id>.npz.
 """
 
 import os
@@ -66,17 +69,27 @@ def main(out: str, port: int, num_processes: int, process_id: int) -> None:
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, eps=1e-4))
     upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
     state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
+    ssh = step.state_shardings(state, mesh)
+    # A second copy of the initial state (the first update donates the first one's buffers).
+    state_local = jax.device_put(state, ssh, may_alias=False)
     batch = make_batch()
-    jitted = step.jit_update(
-        upd, step.state_shardings(state, mesh), step.batch_shardings(batch, mesh)
-    )
-    state, metrics = jitted(state, step.shard_batch(batch, mesh))
-    flat = {
-        "/".join(str(k) for k in path): np.asarray(multihost_utils.process_allgather(v, tiled=True))
-        for path, v in nnx.to_flat_state(state.params)
-    }
-    flat["metric/loss"] = np.asarray(jax.device_get(metrics["loss"]))
-    flat["num_devices"] = np.asarray(len(mesh.devices.flat))
+    jitted = step.jit_update(upd, ssh, step.batch_shardings(batch, mesh))
+    flat = {"num_devices": np.asarray(len(mesh.devices.flat))}
+
+    def record(prefix, state, metrics):
+        for path, v in nnx.to_flat_state(state.params):
+            name = prefix + "/".join(str(k) for k in path)
+            flat[name] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+        flat[prefix + "metric/loss"] = np.asarray(jax.device_get(metrics["loss"]))
+
+    # The full batch on every process.
+    record("", *jitted(state, step.shard_batch(batch, mesh)))
+    # Only this process's rows: the other process's rows never reach this one.
+    rows = step.process_batch_rows(mesh, B)
+    local = jax.tree.map(lambda x: x[rows], batch)
+    assert local.input_ids.shape[0] == B // num_processes
+    record("local/", *jitted(state_local, step.shard_local_batch(local, mesh)))
+    flat["local_rows"] = rows
     np.savez(f"{out}.{process_id}.npz", **flat)
     if num_processes > 1:
         multihost_utils.sync_global_devices("done")

@@ -1,6 +1,7 @@
 """Two processes on 127.0.0.1 with jax.distributed (gloo CPU collectives, 4 fake devices each)
-run one GRPO update on a mesh over all 8 devices; both finish and the params equal a
-single-process run of the same worker."""
+run one GRPO update on a mesh over all 8 devices, from a full batch on every process and from
+each process's own half of the rows; both finish and the params equal a single-process run of
+the same worker."""
 
 import os
 import socket
@@ -25,8 +26,10 @@ def _env():
     return env
 
 
-@pytest.mark.slow
-def test_two_process_update_matches_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(the single-process reference npz, [the npz of each of the two processes])."""
+    tmp_path = tmp_path_factory.mktemp("multiprocess")
     port = _free_port()
     multi = tmp_path / "multi"
     procs = [
@@ -58,15 +61,39 @@ def test_two_process_update_matches_single_process(tmp_path):
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{outs[i][-4000:]}"
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
+    return np.load(f"{single}.0.npz"), [np.load(f"{multi}.{pid}.npz") for pid in range(2)]
 
-    b = np.load(f"{single}.0.npz")
-    assert int(b["num_devices"]) == 1
-    keys = [k for k in b.files if k != "num_devices"]
+
+def _param_keys(npz):
+    return [k for k in npz.files if not k.startswith("local") and k != "num_devices"]
+
+
+def _assert_matches(multi, ref, prefix):
+    keys = _param_keys(ref)
     assert len(keys) > 10
+    assert {prefix + k for k in keys} <= set(multi.files)
+    for k in keys:
+        # float32; the 8-device run reduces in a different order: ~1e-7 differences.
+        np.testing.assert_allclose(multi[prefix + k], ref[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_process_update_matches_single_process(runs):
+    ref, multi = runs
+    assert int(ref["num_devices"]) == 1
     for pid in range(2):  # both processes end with the single-process params
-        a = np.load(f"{multi}.{pid}.npz")
-        assert int(a["num_devices"]) == 8
-        assert set(keys) == {k for k in a.files if k != "num_devices"}
-        for k in keys:
-            # float32; the 8-device run reduces in a different order: ~1e-7 differences.
-            np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0, err_msg=f"{pid}: {k}")
+        assert int(multi[pid]["num_devices"]) == 8
+        assert set(_param_keys(multi[pid])) == set(_param_keys(ref))
+        _assert_matches(multi[pid], ref, "")
+
+
+@pytest.mark.slow
+def test_two_process_local_rows_match_single_process_full_batch(runs):
+    """Each process fed only its own half of the rows (``step.shard_local_batch``); the update
+    equals the single-process update on the full batch."""
+    ref, multi = runs
+    rows = [multi[pid]["local_rows"] for pid in range(2)]
+    np.testing.assert_array_equal(rows[0], np.arange(4))  # process 0 holds data index 0
+    np.testing.assert_array_equal(rows[1], np.arange(4, 8))
+    for pid in range(2):
+        _assert_matches(multi[pid], ref, "local/")

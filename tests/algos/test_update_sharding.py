@@ -1,9 +1,11 @@
 """Sharding equivalence: GRPO updates on a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU devices
-give the same params as on one device, with params and optimiser state really sharded."""
+give the same params as on one device, with params and optimiser state really sharded; in one
+process, ``step.shard_local_batch`` builds the same global batch as ``step.shard_batch``."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -89,3 +91,33 @@ def test_three_grpo_steps_sharded_equal_single_device():
     got = jax.tree.map(lambda x: x.sharding, eight)
     assert jax.tree.leaves(got) == jax.tree.leaves(ssh)
     assert jnp.dtype(eight.step.dtype) == jnp.int32
+
+
+def test_shard_local_batch_equals_shard_batch_in_one_process():
+    """With one process, every row is local: the same global arrays, laid out the same way."""
+    mesh8 = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    batch = _batches(1)[0]
+    np.testing.assert_array_equal(step.process_batch_rows(mesh8, B), np.arange(B))
+    local, full = step.shard_local_batch(batch, mesh8), step.shard_batch(batch, mesh8)
+    assert jax.tree.structure(local) == jax.tree.structure(full)
+    for a, b in zip(jax.tree.leaves(local), jax.tree.leaves(full)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert len({s.data.shape for s in a.addressable_shards}) == 1  # B / 4 rows per shard
+    assert local.input_ids.addressable_shards[0].data.shape == (B // 4, T)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        # 4 batch shards over (data=2, fsdp=2), all held by this one process.
+        (lambda b: jax.tree.map(lambda x: x[:6], b), "6 local rows do not split evenly over the 4"),
+        (lambda b: b.replace(advantages=b.advantages[:4]), "different row counts"),
+    ],
+)
+def test_shard_local_batch_rejects_rows_that_do_not_split(change, match):
+    mesh8 = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    with pytest.raises(batch_lib.BatchError, match=match):
+        step.shard_local_batch(change(_batches(1)[0]), mesh8)
+    with pytest.raises(batch_lib.BatchError, match="not divisible by the 4 batch shards"):
+        step.process_batch_rows(mesh8, 6)
