@@ -37,7 +37,8 @@ class ModelSection:
     """The policy: a Hugging Face checkpoint (``path``) or a random Qwen2 of the given shape.
 
     ``tokenizer``: a tokenizer directory, or "char" for jaxrlvr's local character tokenizer
-    (the demo's); defaults to ``path``.
+    (the demo's); defaults to ``path``. ``remat`` and ``scan_layers``: the layer-loop choices of
+    ``model.ModelConfig`` (scan: compile time independent of depth; unrolled: a faster step).
     """
 
     path: str | None = None
@@ -45,6 +46,7 @@ class ModelSection:
     dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: bool = False
+    scan_layers: bool = True
     # Shape of a randomly initialised model (used when ``path`` is None).
     hidden_size: int = 64
     intermediate_size: int = 256

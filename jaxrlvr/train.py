@@ -68,7 +68,12 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
     m = cfg.model
     if m.path is not None:
         return model_lib.load_hf(
-            m.path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, remat=m.remat
+            m.path,
+            dtype=m.dtype,
+            param_dtype=m.param_dtype,
+            mesh=mesh,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
         )
     model_cfg = model_lib.ModelConfig(
         vocab_size=len(tokenizer),
@@ -82,6 +87,7 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,
+        scan_layers=m.scan_layers,
         hf_config={
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.eos_token_id,

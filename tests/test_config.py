@@ -89,3 +89,15 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("rl: [1, 2\n")
     with pytest.raises(configlib.ConfigKeyError, match="invalid YAML"):
         config_lib.load_config(str(bad))
+
+
+@pytest.mark.parametrize("override, scan", [(None, True), ("model.scan_layers=false", False)])
+def test_model_layer_loop_choice_reaches_the_model(override, scan):
+    # model.scan_layers picks lax.scan (default) or the unrolled layer loop (a random model here;
+    # load_hf's scan_layers argument is covered by tests/model/test_parity.py).
+    from jaxrlvr import train
+
+    cfg = config_lib.load_config("configs/demo.yaml", [override] if override else [])
+    assert cfg.model.scan_layers is scan
+    lm = train.build_model(cfg, train.build_tokenizer(cfg), mesh=None)
+    assert lm.config.scan_layers is scan
