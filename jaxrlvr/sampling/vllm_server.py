@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
-import concurrent.futures
 import os
 import signal
 import socket
@@ -40,28 +39,37 @@ SERVED_MODEL_NAME = "jaxrlvr-policy"
 
 # Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
 # also means they outlive an interpreter that exits without stopping them; stop them at exit.
-# A parent that dies without running atexit (SIGKILL, OOM killer) is covered on Linux by the
-# parent-death signal below.
+# A parent that dies without running atexit (SIGKILL, OOM killer) is covered by the watchdog below.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
-# Linux delivers PR_SET_PDEATHSIG when the *thread* that forked the child exits, so servers are
-# forked from one launcher thread that lives as long as the interpreter (a restart may happen in
-# a short-lived worker thread of the sampler).
-_PR_SET_PDEATHSIG = 1
-_LAUNCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-launch")
-
-
-def _parent_death_hook():
-    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies, or None off Linux.
-
-    ``prctl`` is looked up here, before the fork: the hook itself only makes the one call.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# A watchdog process outlives the trainer only to stop the server: it polls its parent (the
+# trainer) and the server's process group once a second; when the trainer is gone it SIGTERMs the
+# group (SIGKILL 15 s later); when the server is gone it exits. (No preexec_fn or prctl: forking
+# with a preexec_fn from a multithreaded process such as JAX's is deadlock-prone.)
+_WATCHDOG = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+def group_alive():
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while group_alive():
+    if os.getppid() != parent:
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while group_alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        break
+    time.sleep(1.0)
+"""
 
 
 @atexit.register
@@ -141,6 +149,7 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
         if start:
             self.start()
 
@@ -200,16 +209,21 @@ class VLLMServer:
             log.write(f"\n=== jaxrlvr: starting {' '.join(self.command())}\n".encode())
             log.flush()
             # A new session makes the server the leader of its own process group, so that stop()
-            # also reaches the EngineCore child it spawns; vLLM stops that child on SIGTERM.
-            self._proc = _LAUNCHER.submit(
-                subprocess.Popen,
+            # (and the watchdog) also reach the EngineCore child it spawns.
+            self._proc = subprocess.Popen(
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=_parent_death_hook(),
-            ).result()
+            )
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self._proc.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _LIVE.add(self)
         self._wait_ready()
 
@@ -259,6 +273,10 @@ class VLLMServer:
                 proc.wait(timeout=timeout_s)
         # The EngineCore child can outlive a leader that died first; sweep the group.
         self._signal_group(proc, signal.SIGKILL)
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
 
     @staticmethod
     def _signal_group(proc: subprocess.Popen, sig: int) -> None:
