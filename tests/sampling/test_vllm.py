@@ -197,12 +197,9 @@ def test_killed_server_is_restarted_on_latest_weights_or_fails_clearly(
         assert not server.alive()
 
 
-@pytest.mark.slow
-def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
-    vllm_python, tiny_export, tmp_path
-):
+def _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path):
+    """``jaxrlvr serve-vllm`` in a subprocess, returned once it prints its ready line."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -215,14 +212,26 @@ def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
         text=True,
         env={k: v for k, v in os.environ.items() if k != "JAXRLVR_VLLM_PYTHON"},
     )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "ready at" in line or proc.poll() is not None:
+            break
+    if f"ready at http://127.0.0.1:{port}" not in "".join(lines):
+        proc.kill()
+        pytest.fail("serve-vllm did not become ready:\n" + "".join(lines))
+    return proc, port
+
+
+@pytest.mark.slow
+def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
+    vllm_python, tiny_export, tmp_path
+):
+    import signal
+
+    proc, port = _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path)
+    url = f"http://127.0.0.1:{port}"
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "ready at" in line or proc.poll() is not None:
-                break
-        assert f"ready at http://127.0.0.1:{port}" in "".join(lines), "".join(lines)
-        url = f"http://127.0.0.1:{port}"
         # Bound to loopback, in dev mode (the client's construction checks pass), serving the model.
         with vllm_sampler.VLLMSampler(tiny_export["cfg"], url) as s:
             (c,) = s.generate([[5, 6]], 1, base.SamplingParams(max_tokens=3, seed=0))
@@ -238,31 +247,14 @@ def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
 
 @pytest.mark.slow
 def test_server_stops_when_its_parent_is_sigkilled(vllm_python, tiny_export, tmp_path):
-    # A trainer killed with SIGKILL runs no atexit hook; the server must not outlive it (the
-    # parent-death signal reaches vLLM's API server, which stops its engine process).
-    import os
+    # A trainer killed with SIGKILL runs no atexit hook; the server must not outlive it (its
+    # watchdog process notices the parent is gone and stops the server's process group).
     import signal
-    import subprocess
-    import sys
     import time
 
-    port = vllm_server.pick_free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxrlvr.cli", "serve-vllm", "--model", str(tiny_export["dir"])]
-        + ["--python", vllm_python, "--port", str(port), "--log", str(tmp_path / "cli.log")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "JAXRLVR_VLLM_PYTHON"},
-    )
+    proc, port = _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "ready at" in line or proc.poll() is not None:
-                break
-        assert f"ready at {url}" in "".join(lines), "".join(lines)
         assert httpx.get(url + "/health", timeout=5.0).status_code == 200
         session = _session_of_server_on(port)
         assert len(_pids_in_session(session)) >= 2  # the API server and its engine process
