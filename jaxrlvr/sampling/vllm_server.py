@@ -340,6 +340,9 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `kill PID` should stop the server too, not only Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C stops it even when started from a shell that ignores SIGINT for background jobs
+    # (Python then inherits SIG_IGN and would never raise KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"jaxrlvr serve-vllm: starting vLLM for {args.model} ...", flush=True)
     server = VLLMServer(
         args.model,
