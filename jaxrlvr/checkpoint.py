@@ -17,13 +17,27 @@ Guarantees this module relies on orbax for, and tests:
 
 New-style typed PRNG keys (``jax.random.key``) are saved and restored as typed keys by orbax.
 
+Faults, each reported in one line (:class:`CheckpointError`):
+
+- A save that fails (disk full: ``ENOSPC``, or any write error) removes its temporary directory
+  and raises; the previous checkpoints stay as they were and no step is listed for the failed one.
+- :meth:`Checkpointer.restore_latest` (resume) tries checkpoints newest-first and skips one that
+  does not restore (a corrupted or missing data file: a TensorStore error), logging the skipped
+  step and why; when none restores it raises, naming each step's reason.
+
 Deliberately left out: asynchronous saves (a save blocks until it is committed: simpler, and a
 training step on this project's scale is much slower than a save), best-k retention by metric,
 and remote storage specifics. Export to a Hugging Face folder lives with the model weights code.
 """
 
+import errno
+import glob
 import json
 import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +46,36 @@ import orbax.checkpoint as ocp
 
 _STATE = "state"
 _EXTRA = "extra"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line."""
+
+
+def _log(msg: str) -> None:
+    print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
+
+
+def describe_error(exc: BaseException, limit: int = 240) -> str:
+    """One line for an exception from orbax/TensorStore: ENOSPC named as such, else the first
+    line of the innermost cause (TensorStore's own message; orbax wraps it in a bare Exception
+    whose text is a multi-line spec dump)."""
+    chain, seen = [], set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            where = f" writing {e.filename}" if e.filename else ""
+            return f"no space left on device (ENOSPC){where}"
+        if "No space left on device" in str(e):
+            return "no space left on device (ENOSPC)"
+    inner = chain[-1]
+    text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+    line = f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -123,15 +167,44 @@ class Checkpointer:
                 f"cannot save step {step} in {self.directory}: step {latest} already exists "
                 "and steps must increase"
             )
-        saved = manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardSave(state), _EXTRA: ocp.args.JsonSave(extra)}
-            ),
-        )
-        manager.wait_until_finished()
+        previous = sorted(manager.all_steps())
+        try:
+            saved = manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardSave(state), _EXTRA: ocp.args.JsonSave(extra)}
+                ),
+            )
+            manager.wait_until_finished()
+        except Exception as e:
+            self._discard_partial_save(step)
+            raise CheckpointError(
+                f"cannot save step {step} in {self.directory}: {describe_error(e)}; "
+                f"the previous checkpoints (steps {previous}) are intact"
+            ) from e
         if not saved:  # orbax's save policy declined; never let that pass silently
             raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
+
+    def _discard_partial_save(self, step: int) -> None:
+        """After a failed save: drop orbax's state and the step's temporary directories, so the
+        step is never listed and the space is freed; a fresh manager is opened on the next call."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            for finish in (manager.wait_until_finished, manager.close):
+                try:
+                    finish()
+                except Exception:
+                    pass
+        # Writes of the other item may still be landing for a moment after the failure: remove
+        # until the temporary directory stays gone.
+        pattern = os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")
+        for _ in range(50):
+            paths = glob.glob(pattern)
+            if not paths:
+                break
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+            time.sleep(0.1)
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
@@ -182,6 +255,61 @@ class Checkpointer:
             ),
         )
         return restored[_STATE], restored[_EXTRA]
+
+    def restore_latest(
+        self,
+        make_target: Callable[[int, dict[str, Any]], Any],
+        *,
+        step: int | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> tuple[int, Any, dict[str, Any]] | None:
+        """Restores the newest checkpoint that restores cleanly (resume).
+
+        Tries the complete checkpoints newest-first: reads a step's ``extra``, calls
+        ``make_target(step, extra)`` for the abstract state (as :meth:`restore` takes it; it may
+        depend on ``extra``, e.g. the training phase), and restores into it. A step that fails
+        (corrupted or missing files, a TensorStore error, a structure mismatch) is skipped with
+        one logged line naming it and why. ``make_target`` may be called once per step tried, so
+        it should not change the caller's state.
+
+        Args:
+          make_target: ``(step, extra) -> abstract_state``.
+          step: restore exactly this step, no fallback (None: newest that restores).
+          log: where the skip lines go (default: stderr, prefixed ``[jaxrlvr]``).
+
+        Returns:
+          ``(step, state, extra)``, or None when the directory holds no complete checkpoint.
+
+        Raises:
+          CheckpointError: ``step`` was given and does not restore, or no checkpoint restores.
+        """
+        log = log or _log
+        steps = self.all_steps()
+        if not steps:
+            if step is not None:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            return None
+        if step is not None and step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory} (have {steps})"
+            )
+        candidates = [step] if step is not None else steps[::-1]
+        failures = []
+        for s in candidates:
+            try:
+                _, extra = self.restore_extra(s)
+                tree, _ = self.restore(s, make_target(s, extra))
+            except Exception as e:  # noqa: BLE001 - any failure to read means: try an older one
+                reason = describe_error(e)
+                failures.append(f"step {s}: {reason}")
+                if step is None and s != candidates[-1]:
+                    log(
+                        f"checkpoint step {s} in {self.directory} does not restore ({reason}); "
+                        "trying the next older one"
+                    )
+                continue
+            return s, tree, extra
+        raise CheckpointError(f"no checkpoint in {self.directory} restores: {'; '.join(failures)}")
 
     def read_arrays(self, step: int | None = None) -> dict[str, Any]:
         """The saved state as nested dicts of host arrays, with no target shardings: for

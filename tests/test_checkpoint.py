@@ -238,3 +238,135 @@ def test_sigkill_during_save_never_leaves_a_usable_partial(tmp_path):
     assert ckpt.latest_step() == partial_step
     # Reopening scheduled the partial one for deletion; orbax finishes that before any save.
     assert _tmp_dirs(directory) == []
+
+
+# -- faults: corrupted checkpoints on resume, disk full during a save ----------------------------
+
+
+def _single(state):
+    return jax.tree.map(
+        lambda x: jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0])), state
+    )
+
+
+def _two_checkpoints(directory):
+    """Steps 1 and 2 with different arrays; returns (ckpt, state1, state2)."""
+    state1, state2 = _single(_state(0)), _single(_state(1))
+    ckpt = checkpoint.Checkpointer(directory, keep=5)
+    ckpt.save(1, state1, {"step": 1})
+    ckpt.save(2, state2, {"step": 2})
+    return ckpt, state1, state2
+
+
+def _corrupt_data_files(step_dir):
+    """Truncates every array data file of a step (what a bad disk or partial copy leaves)."""
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(step_dir, "state"))
+        for f in names
+        if os.path.basename(root) == "d"
+    ]
+    assert files, "no data files found to corrupt"
+    for f in files:
+        os.truncate(f, 3)
+
+
+def test_restore_latest_skips_a_corrupted_newest_checkpoint(tmp_path, capsys):
+    ckpt, state1, _ = _two_checkpoints(tmp_path / "ckpt")
+    _corrupt_data_files(tmp_path / "ckpt" / "2")
+    seen = []
+
+    def target(step, extra):
+        seen.append((step, extra["step"]))
+        return checkpoint.abstract_like(state1)
+
+    found = checkpoint.Checkpointer(tmp_path / "ckpt").restore_latest(target)
+    assert found is not None
+    step, tree, extra = found
+    assert (step, extra) == (1, {"step": 1}) and seen == [(2, 2), (1, 1)]
+    _assert_trees_equal(tree, state1)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        f"[jaxrlvr] checkpoint step 2 in {tmp_path / 'ckpt'} does not restore (ValueError: "
+    )
+    assert lines[0].endswith("); trying the next older one")
+    # Nothing was deleted: both steps are still listed (the user may want to inspect step 2).
+    assert ckpt.all_steps() == [1, 2]
+
+
+def test_restore_latest_when_every_checkpoint_is_unreadable(tmp_path):
+    _, state1, _ = _two_checkpoints(tmp_path / "ckpt")
+    for step in ("1", "2"):
+        _corrupt_data_files(tmp_path / "ckpt" / step)
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt")
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        ckpt.restore_latest(lambda s, e: checkpoint.abstract_like(state1), log=lambda m: None)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"no checkpoint in {tmp_path / 'ckpt'} restores: step 2: ValueError: ")
+    assert "; step 1: ValueError: " in msg
+
+
+def test_restore_latest_empty_and_explicit_step(tmp_path):
+    assert checkpoint.Checkpointer(tmp_path / "none").restore_latest(lambda s, e: None) is None
+    _, state1, state2 = _two_checkpoints(tmp_path / "ckpt")
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt")
+    step, tree, _ = ckpt.restore_latest(lambda s, e: checkpoint.abstract_like(state1), step=1)
+    assert step == 1
+    _assert_trees_equal(tree, state1)
+    with pytest.raises(checkpoint.CheckpointError, match=r"for step 7 .*\(have \[1, 2\]\)"):
+        ckpt.restore_latest(lambda s, e: checkpoint.abstract_like(state1), step=7)
+    # An explicit step that does not restore is an error, never a silent fallback.
+    _corrupt_data_files(tmp_path / "ckpt" / "2")
+    with pytest.raises(checkpoint.CheckpointError, match=r"restores: step 2: ValueError: "):
+        ckpt.restore_latest(lambda s, e: checkpoint.abstract_like(state2), step=2)
+
+
+def test_disk_full_during_save_keeps_previous_checkpoints(tmp_path, monkeypatch):
+    import errno
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jch
+
+    ckpt, state1, state2 = _two_checkpoints(tmp_path / "ckpt")
+
+    async def no_space(self, x, directory):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "metadata"))
+
+    monkeypatch.setattr(jch.JsonCheckpointHandler, "_save_fn", no_space)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        ckpt.save(3, state2, {"step": 3})
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        f"cannot save step 3 in {tmp_path / 'ckpt'}: no space left on device (ENOSPC) writing "
+    )
+    assert msg.endswith("; the previous checkpoints (steps [1, 2]) are intact")
+    monkeypatch.undo()
+    # No half-written step is listed or left behind, and the older ones restore bit for bit.
+    assert ckpt.all_steps() == [1, 2] and _tmp_dirs(tmp_path / "ckpt") == []
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
+    fresh = checkpoint.Checkpointer(tmp_path / "ckpt")
+    tree, extra = fresh.restore(2, checkpoint.abstract_like(state2))
+    _assert_trees_equal(tree, state2)
+    assert extra == {"step": 2}
+    # Once space is back, the same Checkpointer saves the step.
+    ckpt.save(3, state2, {"step": 3})
+    assert ckpt.all_steps() == [1, 2, 3]
+
+
+def test_tensorstore_write_error_during_save_is_one_line(tmp_path, monkeypatch):
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as sch
+
+    ckpt, _, state2 = _two_checkpoints(tmp_path / "ckpt")
+
+    async def fails(self, *a, **k):
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing local file "d/abc": No space left on device\nmore'
+        )
+
+    monkeypatch.setattr(sch.StandardCheckpointHandler, "async_save", fails)
+    with pytest.raises(checkpoint.CheckpointError, match=r"no space left on device \(ENOSPC\);"):
+        ckpt.save(3, state2, {"step": 3})
+    monkeypatch.undo()
+    assert ckpt.all_steps() == [1, 2] and _tmp_dirs(tmp_path / "ckpt") == []
