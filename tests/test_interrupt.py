@@ -1,0 +1,85 @@
+"""jaxrlvr.interrupt: SIGTERM becomes a flag between steps; a second SIGTERM stops for real."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from jaxrlvr import interrupt
+
+
+def test_sigterm_sets_the_flag_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with interrupt.GracefulStop() as stop:
+        assert stop.requested is None and not stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The handler runs in the main thread at the next bytecode boundary.
+        for _ in range(100):
+            if stop:
+                break
+            time.sleep(0.01)
+        assert stop.requested == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigint_when_asked_for():
+    with interrupt.GracefulStop((signal.SIGTERM, signal.SIGINT)) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.requested == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_outside_the_main_thread_installs_nothing():
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def body():
+        with interrupt.GracefulStop() as stop:
+            seen.append((stop.requested, signal.getsignal(signal.SIGTERM) is before))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [(None, True)]
+
+
+_LOOP = textwrap.dedent(
+    """
+    import sys, time
+    from jaxrlvr import interrupt
+    with interrupt.GracefulStop() as stop:
+        print("ready", flush=True)
+        steps = 0
+        while not stop:
+            time.sleep(0.01)  # one "step"
+            steps += 1
+        print(f"saved after {stop.requested}", flush=True)
+        if sys.argv[1] == "twice":
+            time.sleep(30)  # a slow save; the second SIGTERM must end it
+    sys.exit(0)
+    """
+)
+
+
+def _run(mode, signals):
+    proc = subprocess.Popen([sys.executable, "-c", _LOOP, mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    out, _ = proc.communicate(timeout=20)
+    return proc.returncode, out
+
+
+def test_loop_exits_zero_after_sigterm_in_a_subprocess():
+    code, out = _run("once", 1)
+    assert (code, out) == (0, "saved after SIGTERM\n")
+
+
+def test_second_sigterm_stops_now():
+    code, out = _run("twice", 2)
+    assert code == -signal.SIGTERM and out == "saved after SIGTERM\n"
