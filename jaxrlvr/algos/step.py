@@ -24,11 +24,10 @@ Multi-host: every process calls these with the same global mesh. Two ways to fee
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrlvr.algos import batch as batch_lib
@@ -43,30 +42,13 @@ class NonFiniteUpdateError(FloatingPointError):
     """A ``jit_update(on_nonfinite="raise")`` step whose loss or gradient was not finite."""
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def state_shardings(state: state_lib.TrainState, mesh: Mesh) -> state_lib.TrainState:
     """A ``TrainState`` of ``NamedSharding`` with the same tree structure as ``state``.
 
     Every ``nnx.Variable`` leaf (params, and the optax moments that copy them) is sharded by its
-    ``logical_axes``; every other array is replicated.
+    ``logical_axes``; every other array is replicated (``model.sharding.logical_shardings``).
     """
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def leaf(x):
-        if _is_variable(x):
-            axes = x.get_metadata().get("logical_axes")
-            spec = (
-                PartitionSpec()
-                if axes is None
-                else sharding.logical_to_pspec(axes, x.get_value().shape, mesh)
-            )
-            return x.replace(NamedSharding(mesh, spec))
-        return replicated
-
-    return jax.tree.map(leaf, state, is_leaf=_is_variable)
+    return sharding.logical_shardings(state, mesh)
 
 
 def shard_state(state: state_lib.TrainState, mesh: Mesh) -> state_lib.TrainState:

@@ -6,12 +6,14 @@ logits = lm(input_ids, attention_mask)          # [B, T, V] float32
 model.save_hf(lm, "/tmp/out")                    # transformers / vLLM load this
 """
 
-from jaxrlvr.model.config import ConfigError, ModelConfig
+from jaxrlvr.model.config import ConfigError, ModelConfig, dtype_name
 from jaxrlvr.model.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
 from jaxrlvr.model.sharding import (
     LOGICAL_RULES,
     MeshConfig,
     batch_sharding,
+    logical_sharding,
+    logical_shardings,
     logical_to_pspec,
     make_mesh,
     param_partition_specs,
@@ -35,10 +37,13 @@ __all__ = [
     "ModelConfig",
     "Qwen2ForCausalLM",
     "batch_sharding",
+    "dtype_name",
     "hf_state_dict",
     "init_cache",
     "init_model",
     "load_hf",
+    "logical_sharding",
+    "logical_shardings",
     "logical_to_pspec",
     "make_mesh",
     "param_count",

@@ -17,15 +17,47 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+import jax
 import jax.numpy as jnp
 
 DType = Literal["float32", "bfloat16"]
-_DTYPES = get_args(DType)
+DTYPES: tuple[str, ...] = get_args(DType)
+# What ``dtype_name`` accepts: a name ("float32", "bf16"), or a NumPy, JAX, ml_dtypes or torch dtype
+# or scalar type (np.float32, jnp.bfloat16, jnp.dtype("bfloat16"), torch.bfloat16).
+DTypeLike = jax.typing.DTypeLike
+# Short spellings common in training configs (HF TrainingArguments' bf16, "fp32").
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
 _SUPPORTED_ROPE_TYPES = ("default",)
 
 
 class ConfigError(ValueError):
     """A model config that jaxrlvr cannot honour exactly."""
+
+
+def dtype_name(value: DTypeLike, *, argument: str = "dtype") -> DType:
+    """The canonical name ("float32" or "bfloat16") of any spelling of a supported dtype.
+
+    The one place where the public API's dtype arguments are normalised (``ModelConfig``,
+    ``load_hf``, presets and ``from_hf_config`` overrides all call it), so a config always holds a
+    plain string. ``argument`` names the caller's argument in the error, e.g.
+    ``load_hf(dtype=...): 'float64' is not supported; expected one of float32, bfloat16``.
+    """
+    expected = ", ".join(DTYPES)
+    if isinstance(value, str) or type(value).__module__ == "torch":
+        # torch dtypes print as "torch.bfloat16"; NumPy does not know them.
+        text = str(value).strip().lower().removeprefix("torch.")
+        text = _DTYPE_ALIASES.get(text, text)
+    else:
+        text = value
+    try:
+        name = None if value is None else jnp.dtype(text).name
+    except TypeError:
+        name = None
+    if name is None:
+        raise ConfigError(f"{argument}: {value!r} is not a dtype; expected one of {expected}")
+    if name not in DTYPES:
+        raise ConfigError(f"{argument}: {name!r} is not supported; expected one of {expected}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +72,9 @@ class ModelConfig:
     them into and out of per-layer stacks, which made the reference update step ~15% faster on
     CPU, at ~1.5x the compile time (MaxText's ``scan_layers`` makes the same trade). Calls with a
     KV cache always scan. Neither choice changes parameters, checkpoints or results.
+
+    ``dtype`` (compute) and ``param_dtype`` (storage) accept any spelling ``dtype_name`` does
+    (``jnp.bfloat16``, ``np.float32``, ``"bf16"``...) and hold its canonical name afterwards.
     """
 
     vocab_size: int
@@ -64,9 +99,8 @@ class ModelConfig:
 
     def __post_init__(self):
         for key in ("dtype", "param_dtype"):
-            value = getattr(self, key)
-            if value not in _DTYPES:
-                raise ConfigError(f"model.{key}={value!r}: expected one of {_DTYPES}")
+            name = dtype_name(getattr(self, key), argument=f"ModelConfig({key}=...)")
+            object.__setattr__(self, key, name)  # frozen: normalised once, here
         for key in (
             "vocab_size",
             "hidden_size",

@@ -117,15 +117,48 @@ def logical_to_pspec(
     return PartitionSpec(*spec)
 
 
+def logical_sharding(
+    logical_axes: Sequence[str | None] | None, shape: Sequence[int] | None, mesh: Mesh
+) -> NamedSharding:
+    """The ``NamedSharding`` of an array of ``shape`` whose dimensions carry ``logical_axes``
+    (``None``: replicated). The one place where logical names become a sharding: parameters,
+    optimiser state, KV caches and activation constraints all come through here."""
+    if logical_axes is None:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, logical_to_pspec(logical_axes, shape, mesh))
+
+
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def _variable_axes(v: nnx.Variable) -> Sequence[str | None] | None:
+    return v.get_metadata().get("logical_axes")
+
+
+def logical_shardings(tree, mesh: Mesh):
+    """A ``NamedSharding`` for every leaf of ``tree`` (same structure, ``Variable`` wrappers kept).
+
+    Each ``nnx.Variable`` is sharded by its ``logical_axes`` metadata (replicated without one),
+    which covers parameters and the optax moments that copy them; every other leaf (steps,
+    counts, rng keys) is replicated. ``param_shardings`` and ``algos.step.state_shardings`` are
+    this function.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def leaf(x):
+        if _is_variable(x):
+            return x.replace(logical_sharding(_variable_axes(x), x.get_value().shape, mesh))
+        return replicated
+
+    return jax.tree.map(leaf, tree, is_leaf=_is_variable)
 
 
 def param_partition_specs(params: nnx.State, mesh: Mesh | None = None) -> nnx.State:
     """PartitionSpec per parameter from its ``logical_axes`` metadata (a State of specs)."""
 
     def spec(v):
-        axes = v.get_metadata().get("logical_axes")
+        axes = _variable_axes(v)
         if axes is None:
             return PartitionSpec()
         return logical_to_pspec(axes, v.get_value().shape, mesh)
@@ -135,15 +168,7 @@ def param_partition_specs(params: nnx.State, mesh: Mesh | None = None) -> nnx.St
 
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     """NamedSharding per parameter (same tree structure as ``params``, Variable wrappers kept)."""
-
-    def sharding(v):
-        axes = v.get_metadata().get("logical_axes")
-        spec = (
-            PartitionSpec() if axes is None else logical_to_pspec(axes, v.get_value().shape, mesh)
-        )
-        return v.replace(NamedSharding(mesh, spec))
-
-    return jax.tree.map(sharding, params, is_leaf=_is_variable)
+    return logical_shardings(params, mesh)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -157,5 +182,4 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
     """Activation sharding constraint by logical names; a no-op only when no mesh is given."""
     if mesh is None:
         return x
-    spec = logical_to_pspec(logical_axes, x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, logical_sharding(logical_axes, x.shape, mesh))

@@ -23,12 +23,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrlvr.model import sharding
-from jaxrlvr.model.config import ConfigError, ModelConfig
+from jaxrlvr.model.config import ConfigError, DTypeLike, ModelConfig, dtype_name
 from jaxrlvr.model.qwen2 import Qwen2ForCausalLM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -295,8 +294,8 @@ def _read(files, name, handles):
 def load_hf(
     path: str | os.PathLike,
     *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
+    dtype: DTypeLike = "float32",
+    param_dtype: DTypeLike = "float32",
     mesh=None,
     remat: bool = False,
     scan_layers: bool = True,
@@ -305,11 +304,19 @@ def load_hf(
 
     Args:
       path: directory with config.json and model.safetensors (or an index and its shards).
-      dtype: compute dtype ("float32" or "bfloat16").
-      param_dtype: storage dtype of the parameters.
+      dtype: compute dtype, float32 or bfloat16, in any spelling (``jnp.bfloat16``,
+        ``np.float32``, ``"bf16"``...).
+      param_dtype: storage dtype of the parameters (the same choices).
       mesh: a ('data', 'fsdp', 'tensor') mesh; parameters are placed with their rule-derived
         shardings, each device receiving only its shard. None: the default device.
+
+    Raises:
+      ConfigError: a bad argument (named in the message, e.g. ``load_hf(dtype=...)``).
+      CheckpointError: a directory that is not a Qwen2 checkpoint jaxrlvr can load.
     """
+    # The caller's arguments first, so that a bad one is never blamed on the checkpoint.
+    dtype = dtype_name(dtype, argument="load_hf(dtype=...)")
+    param_dtype = dtype_name(param_dtype, argument="load_hf(param_dtype=...)")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
@@ -336,7 +343,7 @@ def load_hf(
         if mesh is None:
             target = device_sharding
         else:
-            target = NamedSharding(mesh, sharding.logical_to_pspec(var.logical_axes, shape, mesh))
+            target = sharding.logical_sharding(var.logical_axes, shape, mesh)
 
         @functools.lru_cache(maxsize=2)
         def layer(i: int) -> np.ndarray:

@@ -4,6 +4,7 @@ Qwen2.5-1.5B / 7B configs (no parameter memory allocated)."""
 import json
 
 import jax
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -94,7 +95,55 @@ def test_dtype_literal_validated(key):
     with pytest.raises(M.ConfigError) as info:
         M.ModelConfig.tiny(**{key: "float16"})
     msg = str(info.value)
-    assert f"model.{key}" in msg and "float16" in msg and "float32" in msg and "bfloat16" in msg
+    assert f"ModelConfig({key}=...)" in msg and "'float16' is not supported" in msg
+    assert "float32" in msg and "bfloat16" in msg
+
+
+@pytest.mark.parametrize(
+    "spelling, name",
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("fp32", "float32"),
+        (jax.numpy.float32, "float32"),
+        (jax.numpy.bfloat16, "bfloat16"),
+        (np.float32, "float32"),
+        (np.dtype("float32"), "float32"),
+        (jax.numpy.dtype("bfloat16"), "bfloat16"),
+        (torch.bfloat16, "bfloat16"),
+        (torch.float32, "float32"),
+    ],
+)
+def test_dtype_spellings_normalised_once(spelling, name):
+    assert M.dtype_name(spelling) == name
+    cfg = M.ModelConfig.tiny(dtype=spelling, param_dtype=spelling)
+    # The config holds the canonical string: equal and hashable across spellings, and the
+    # compute/storage dtypes and config.json follow.
+    assert cfg.dtype == cfg.param_dtype == name
+    assert cfg == M.ModelConfig.tiny(dtype=name, param_dtype=name)
+    assert hash(cfg) == hash(M.ModelConfig.tiny(dtype=name, param_dtype=name))
+    assert cfg.compute_dtype == jax.numpy.dtype(name) == cfg.storage_dtype
+    assert cfg.to_hf_config()["dtype"] == name
+    assert cfg.replace(remat=True).dtype == name
+    hf = M.ModelConfig.tiny().to_hf_config()
+    assert M.ModelConfig.from_hf_config(hf, dtype=spelling).dtype == name
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("float64", "'float64' is not supported"),
+        (np.float16, "'float16' is not supported"),
+        (jax.numpy.int32, "'int32' is not supported"),
+        ("nonsense", "'nonsense' is not a dtype"),
+        (None, "None is not a dtype"),
+    ],
+)
+def test_unsupported_dtype_names_the_argument(value, says):
+    with pytest.raises(M.ConfigError) as info:
+        M.dtype_name(value, argument="f(dtype=...)")
+    assert str(info.value) == f"f(dtype=...): {says}; expected one of float32, bfloat16"
 
 
 @pytest.mark.parametrize(

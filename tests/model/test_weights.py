@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -120,6 +121,22 @@ def test_bfloat16_params_save_as_bfloat16(hf_untied, tmp_path, ids):
     assert reloaded.dtype == torch.bfloat16
     expected = hf_untied.torch_model.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16)
     assert torch.equal(reloaded.model.layers[0].mlp.up_proj.weight.detach(), expected)
+
+
+@pytest.mark.parametrize("spelling", [jnp.bfloat16, np.dtype("bfloat16"), "bf16"])
+def test_load_hf_accepts_numpy_and_jax_dtypes(hf_untied, spelling):
+    lm = M.load_hf(hf_untied.path, dtype=jnp.float32, param_dtype=spelling)
+    assert lm.config.dtype == "float32" and lm.config.param_dtype == "bfloat16"
+    assert lm.model.embed_tokens.embedding[...].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("key", ["dtype", "param_dtype"])
+def test_load_hf_bad_dtype_names_the_argument_not_the_checkpoint(hf_untied, key):
+    with pytest.raises(M.ConfigError) as info:
+        M.load_hf(hf_untied.path, **{key: "float64"})
+    assert not isinstance(info.value, M.CheckpointError)
+    expected = f"load_hf({key}=...): 'float64' is not supported; expected one of float32, bfloat16"
+    assert str(info.value) == expected
 
 
 # ------------------------------------------------------------------------------------------------
