@@ -1,0 +1,335 @@
+"""Checks, before any compute, that what a command will read exists and is what it should be.
+
+``check(cfg, mode=...)`` validates a run's inputs (model, tokenizer, data files, the checkpoint
+that eval/export read, the run directory that train writes) and raises :class:`PreflightError`
+with one line naming the config key or argument at the first problem. It reads no weights and
+builds nothing, so a mistyped path costs a second, not an SFT phase.
+
+Model and tokenizer sources that are not local directories are Hugging Face hub ids: a copy in the
+local hub cache is used when there is one; otherwise the hub is asked only when it is reachable
+(not with ``HF_HUB_OFFLINE=1``, and after a short connection probe), and the error says what was
+tried. ``check`` returns the config with such ids replaced by the local snapshot directories, so
+that the loaders (which read local directories only) see what was checked.
+
+Side effect, on purpose and last: ``mode="train", overwrite=True`` moves the files of a run that
+already lives in ``run.out_dir`` into ``out_dir/previous-<UTC time>/`` (nothing is deleted), so two
+runs never share one metrics file or checkpoint directory. Call ``check`` on process 0 only in a
+multi-host job when it may move files. Not checked here: hub *dataset* names (``data.train`` that
+is neither "synthetic" nor a local path) are resolved by ``datasets`` when loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sys
+import time
+from typing import Literal
+
+from jaxrlvr import config as config_lib
+
+Mode = Literal["train", "eval", "export"]
+MODES = ("train", "eval", "export")
+
+HUB_ENDPOINT = "https://huggingface.co"
+
+# Files and folders of a run in out_dir (written by train.py, metrics.py and the vLLM launcher).
+RUN_ENTRIES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoints",
+    "plots",
+    "tb",
+    "vllm_model",
+    "vllm_server.log",
+)
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+class PreflightError(ValueError):
+    """A command's input is missing or unusable; the message is one line naming the key."""
+
+
+def log(msg: str) -> None:
+    print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The hub
+
+
+def hub_offline() -> bool:
+    """True when the environment forbids hub access (``HF_HUB_OFFLINE``)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", HUB_ENDPOINT).rstrip("/")
+
+
+def hub_unreachable_reason(timeout_s: float = 3.0) -> str | None:
+    """None when the hub answers within ``timeout_s``; else why not, as a short phrase."""
+    if hub_offline():
+        return "HF_HUB_OFFLINE is set"
+    import httpx
+
+    endpoint = hub_endpoint()
+    try:
+        httpx.head(endpoint, timeout=timeout_s, follow_redirects=True)
+    except httpx.HTTPError as e:
+        detail = str(e).splitlines()[0] if str(e) else ""
+        return f"tried {endpoint}: {type(e).__name__}{': ' + detail if detail else ''}"
+    return None
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local hub cache's snapshot of ``repo_id``, or None (no network access)."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        return None
+    try:
+        return huggingface_hub.snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached, or an invalid id: the caller reports it
+        return None
+
+
+def _download_snapshot(repo_id: str, key: str) -> str:
+    import huggingface_hub
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+    try:
+        return huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise PreflightError(
+            f"{key}={repo_id!r}: not a local directory, and the Hugging Face hub did not "
+            f"provide it ({type(e).__name__}: {detail})"
+        ) from None
+
+
+def _looks_local(value: str) -> bool:
+    """A path the user meant as local: absolute, ./ ../ ~, or with more than one separator."""
+    return (
+        os.path.isabs(value)
+        or value.startswith(("./", "../", "~", "." + os.sep))
+        or value.count("/") > 1
+        or os.path.exists(value)
+    )
+
+
+def resolve_hf_source(value: str, key: str, *, hub_timeout_s: float = 3.0) -> str:
+    """``value`` (a local directory or a hub id) as a local directory, or PreflightError.
+
+    A hub id is looked up in the local hub cache first; the hub is asked only when reachable.
+    """
+    if os.path.isdir(os.path.expanduser(value)):
+        return os.path.expanduser(value)
+    if os.path.exists(os.path.expanduser(value)):
+        raise PreflightError(f"{key}={value!r}: is a file, expected a model directory")
+    if _looks_local(value):
+        raise PreflightError(f"{key}={value!r}: no such directory")
+    cached = _cached_snapshot(value)
+    if cached is not None:
+        return cached
+    reason = hub_unreachable_reason(hub_timeout_s)
+    if reason is not None:
+        raise PreflightError(
+            f"{key}={value!r}: not a local directory and the Hugging Face hub is unreachable "
+            f"({reason})"
+        )
+    return _download_snapshot(value, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Single inputs
+
+
+def check_model_dir(path: str, key: str = "model.path") -> None:
+    """A local Hugging Face model directory: config.json and *.safetensors weights."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise PreflightError(f"{key}={path!r}: no config.json in {path}")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        found = ", ".join(sorted(os.listdir(path))[:6]) or "nothing"
+        raise PreflightError(f"{key}={path!r}: no *.safetensors weights in {path} (found {found})")
+
+
+def check_tokenizer_dir(path: str, key: str = "model.tokenizer") -> None:
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise PreflightError(
+            f"{key}={path!r}: no tokenizer files in {path} (expected one of "
+            f"{', '.join(TOKENIZER_FILES)})"
+        )
+
+
+def is_local_data(value: str) -> bool:
+    """The driver's rule: a data source with a path separator or a file suffix is a local file."""
+    return os.sep in value or "/" in value or value.endswith(DATA_SUFFIXES)
+
+
+def check_data_file(value: str, key: str) -> None:
+    """A local jsonl/json/parquet data file must exist (hub dataset names are not checked)."""
+    if not is_local_data(value):
+        return
+    if os.path.isdir(value):
+        raise PreflightError(f"{key}={value!r}: is a directory, expected a jsonl/json/parquet file")
+    if not os.path.isfile(value):
+        raise PreflightError(f"{key}={value!r}: file not found")
+    if not value.endswith(DATA_SUFFIXES):
+        raise PreflightError(
+            f"{key}={value!r}: unknown data format (expected {', '.join(DATA_SUFFIXES)})"
+        )
+
+
+def complete_steps(checkpoint_dir: str) -> list[int]:
+    """Steps of complete checkpoints in ``checkpoint_dir`` (orbax names a committed step by its
+    number; partial saves live in ``<step>.orbax-checkpoint-tmp-*``), without opening orbax."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = []
+    for name in os.listdir(checkpoint_dir):
+        if name.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, name)):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def check_checkpoint(run_dir: str, flag: str = "--checkpoint", step: int | None = None) -> int:
+    """``run_dir/checkpoints`` holds a complete checkpoint (``step`` if given); returns its step."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(run_dir):
+        raise PreflightError(f"{flag} {run_dir}: no such directory")
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        raise PreflightError(f"{flag} {run_dir}: no complete checkpoint in {ckpt_dir}")
+    if step is not None and step not in steps:
+        raise PreflightError(
+            f"{flag} {run_dir} --step {step}: no complete checkpoint for step {step} in "
+            f"{ckpt_dir} (have {steps})"
+        )
+    return steps[-1] if step is None else step
+
+
+def existing_run(out_dir: str) -> list[str]:
+    """The entries that make ``out_dir`` hold a run: metrics, summary or checkpoints."""
+    held = []
+    for name in ("metrics.jsonl", "summary.json"):
+        if os.path.isfile(os.path.join(out_dir, name)):
+            held.append(name)
+    ckpt = os.path.join(out_dir, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        held.append("checkpoints/")
+    return held
+
+
+def check_run_dir(out_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuses to start a new run where one already lives, unless resume or overwrite."""
+    if resume and overwrite:
+        raise PreflightError("--resume and --overwrite exclude each other: pick one")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise PreflightError(f"run.out_dir={out_dir!r}: is a file, expected a directory")
+    held = existing_run(out_dir)
+    if held and not resume and not overwrite:
+        raise PreflightError(
+            f"run.out_dir={out_dir!r} already holds a run ({', '.join(held)}): pass --resume to "
+            "continue it or --overwrite to start over (the old run is moved aside)"
+        )
+
+
+def move_run_aside(out_dir: str) -> str | None:
+    """Moves the run's files in ``out_dir`` into ``out_dir/previous-<UTC time>/``; returns that
+    folder (None when there was nothing to move). Files that are not the run's stay."""
+    present = [n for n in RUN_ENTRIES if os.path.lexists(os.path.join(out_dir, n))]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = os.path.join(out_dir, f"previous-{stamp}")
+    suffix = 1
+    while os.path.exists(dest):
+        dest = os.path.join(out_dir, f"previous-{stamp}-{suffix}")
+        suffix += 1
+    os.makedirs(dest)
+    for name in present:
+        os.rename(os.path.join(out_dir, name), os.path.join(dest, name))
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole command
+
+
+def check(
+    cfg: config_lib.TrainConfig,
+    *,
+    mode: Mode = "train",
+    resume: bool = False,
+    overwrite: bool = False,
+    checkpoint: str | None = None,
+    step: int | None = None,
+    hub_timeout_s: float = 3.0,
+) -> config_lib.TrainConfig:
+    """Validates what ``mode`` will read (and, for train, the run directory it will write).
+
+    Args:
+      cfg: the run's config.
+      mode: "train" (train and sft), "eval" or "export".
+      resume: train: continue the run in ``run.out_dir``.
+      overwrite: train: start over in an ``out_dir`` that holds a run; its files are moved to
+        ``out_dir/previous-<UTC time>/`` once every other check has passed.
+      checkpoint: eval/export: the run directory whose ``checkpoints/`` is read; it must hold a
+        complete checkpoint (eval without it evaluates ``model.path`` and needs none).
+      step: export: the checkpoint step (default: the newest).
+      hub_timeout_s: how long the hub's reachability probe may take.
+
+    Returns:
+      ``cfg``, with ``model.path`` / ``model.tokenizer`` that were hub ids replaced by their local
+      snapshot directories (otherwise unchanged).
+
+    Raises:
+      PreflightError: one line naming the key or flag at the first problem found.
+    """
+    if mode not in MODES:
+        raise ValueError(f"preflight mode={mode!r}: expected one of {MODES}")
+    if mode != "train" and (resume or overwrite):
+        raise PreflightError(f"{mode}: --resume/--overwrite apply to train and sft only")
+    if mode == "train":
+        check_run_dir(cfg.run.out_dir, resume=resume, overwrite=overwrite)
+    if checkpoint is not None:
+        check_checkpoint(checkpoint, "--checkpoint" if mode == "eval" else "export RUN_DIR", step)
+    elif mode == "export":
+        raise PreflightError("export: a run directory with a checkpoint is required")
+
+    m = cfg.model
+    model_path = m.path
+    if model_path is not None:
+        model_path = resolve_hf_source(model_path, "model.path", hub_timeout_s=hub_timeout_s)
+        check_model_dir(model_path, "model.path")
+    tokenizer = m.tokenizer
+    if tokenizer is not None and tokenizer != "char":
+        if tokenizer == m.path:
+            tokenizer = model_path
+        else:
+            tokenizer = resolve_hf_source(tokenizer, "model.tokenizer", hub_timeout_s=hub_timeout_s)
+        check_tokenizer_dir(tokenizer, "model.tokenizer")
+    elif tokenizer is None and model_path is not None:
+        check_tokenizer_dir(model_path, "model.path (its tokenizer)")
+
+    d = cfg.data
+    if d.train != "synthetic":
+        check_data_file(d.train, "data.train")
+    if d.eval is not None:
+        check_data_file(d.eval, "data.eval")
+    if mode == "train" and cfg.sft.data != "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
+        check_data_file(cfg.sft.data, "sft.data")
+
+    if mode == "train" and overwrite and existing_run(cfg.run.out_dir):
+        moved = move_run_aside(cfg.run.out_dir)
+        log(f"--overwrite: moved the previous run in {cfg.run.out_dir} to {moved}")
+
+    if model_path != m.path or tokenizer != m.tokenizer:
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(m, path=model_path, tokenizer=tokenizer)
+        )
+    return cfg
