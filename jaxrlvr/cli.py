@@ -1,13 +1,17 @@
 """The ``jaxrlvr`` command line: train, sft, eval, plot, export, bench, serve-vllm.
 
-Each sub-command parses its own flags and hands over to the module that does the work; errors a
-user can fix (a bad config key, a missing file) print one line and exit with status 2.
+Each sub-command parses its own flags and hands over to the module that does the work. Errors a
+user can fix (a bad config key, a missing file or checkpoint, an unsafe bind address) print one
+line, ``jaxrlvr <command>: error: ...``, and exit with status 2, without a traceback; a checkpoint
+that cannot be written or read (``checkpoint.CheckpointError``) exits with status 1. eval and
+export check what they will read (``preflight``) before building anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards")
@@ -18,6 +22,11 @@ def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=10")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an out_dir that holds a run (its files move to out_dir/previous-*)",
+    )
     return p
 
 
@@ -31,13 +40,15 @@ def _cmd_train(argv, *, sft_only=False):
     if sft_only:
         overrides.append("rl.algo=none")
     cfg = config_lib.load_config(args.config, overrides)
-    summary = train.run(cfg, resume=args.resume)
+    # Only passed when set: train.run grows the keyword with the driver's preflight wiring.
+    extra = {"overwrite": True} if args.overwrite else {}
+    summary = train.run(cfg, resume=args.resume, **extra)
     return 0 if summary is not None else 1
 
 
 def _cmd_eval(argv):
     from jaxrlvr import config as config_lib
-    from jaxrlvr import train
+    from jaxrlvr import preflight, train
 
     p = argparse.ArgumentParser(prog="jaxrlvr eval", description="Evaluate a model or checkpoint.")
     p.add_argument("config")
@@ -45,6 +56,7 @@ def _cmd_eval(argv):
     p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
     args = p.parse_args(argv)
     cfg = config_lib.load_config(args.config, args.overrides)
+    cfg = preflight.check(cfg, mode="eval", checkpoint=args.checkpoint)
     result = train.evaluate_only(cfg, run_dir=args.checkpoint)
     for key, value in sorted(result.items()):
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
@@ -60,10 +72,41 @@ def _cmd_export(argv):
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the model files already in OUT_DIR"
+    )
     args = p.parse_args(argv)
+    check_export(args.run_dir, args.out_dir, step=args.step, overwrite=args.overwrite)
     path = train.export_checkpoint(args.run_dir, args.out_dir, step=args.step)
     print(f"wrote {path}")
     return 0
+
+
+def check_export(run_dir: str, out_dir: str, *, step=None, overwrite=False) -> None:
+    """Before export builds anything: a complete checkpoint (``step``) in RUN_DIR, its
+    config.yaml and what that config reads, and an OUT_DIR that holds no model unless
+    ``overwrite`` (so an earlier export is never half-replaced)."""
+    import yaml
+
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import configlib, preflight
+
+    preflight.check_checkpoint(run_dir, "export RUN_DIR", step)
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise preflight.PreflightError(f"export RUN_DIR {run_dir}: no config.yaml in {run_dir}")
+    with open(config_path) as f:
+        cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
+    preflight.check(cfg, mode="export", checkpoint=run_dir, step=step)
+    if os.path.isdir(out_dir) and not overwrite:
+        held = sorted(n for n in os.listdir(out_dir) if n.endswith((".safetensors", ".json")))
+        if held:
+            raise preflight.PreflightError(
+                f"export OUT_DIR {out_dir}: already holds a model ({', '.join(held[:4])}); pass "
+                "--overwrite to replace it"
+            )
+    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise preflight.PreflightError(f"export OUT_DIR {out_dir}: is a file")
 
 
 def _cmd_plot(argv):
@@ -104,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jaxrlvr {" + ",".join(COMMANDS) + "} ...")
-        print("  train CONFIG [key=value ...] [--resume]   RL (and SFT warm start) from a config")
-        print("  sft CONFIG [key=value ...]                supervised fine-tuning only")
+        print("  train CONFIG [key=value ...] [--resume | --overwrite]  RL (and SFT) from a config")
+        print(
+            "  sft CONFIG [key=value ...] [--resume | --overwrite]    supervised fine-tuning only"
+        )
         print("  eval CONFIG [--checkpoint RUN_DIR]        held-out accuracy")
         print("  plot RUN_DIR [RUN_DIR ...] [--out DIR]    PNG curves, runs overlaid")
-        print("  export RUN_DIR OUT_DIR [--step N]         checkpoint -> Hugging Face folder")
+        print(
+            "  export RUN_DIR OUT_DIR [--step N] [--overwrite]  checkpoint -> Hugging Face folder"
+        )
         print("  bench NAME [--json PATH]                  " + "|".join(BENCHMARKS))
         print("  serve-vllm --model DIR [--python PATH]    start a vLLM server for rollouts")
         return 0 if argv else 2
@@ -116,17 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"jaxrlvr: unknown command {command!r} (choose from {', '.join(COMMANDS)})")
         return 2
-    from jaxrlvr import configlib
+    from jaxrlvr import checkpoint, configlib
 
     try:
         return COMMANDS[command](rest)
     except configlib.ConfigKeyError as e:
-        print(f"jaxrlvr {command}: config error: {e}", file=sys.stderr)
+        print(f"jaxrlvr {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as e:
+        print(f"jaxrlvr {command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"jaxrlvr {command}: error: {msg}", file=sys.stderr)
+        # PreflightError, model ConfigError/CheckpointError, UnsafeBindError are ValueErrors.
+        print(f"jaxrlvr {command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ flags that per-step weight reload needs:
 
 - env ``VLLM_SERVER_DEV_MODE=1``: enables ``/pause``, ``/resume``, ``/collective_rpc`` (used for
   ``reload_weights``), ``/reset_prefix_cache`` and ``/update_weight_version``. These endpoints run
-  methods on the workers, so the server binds to 127.0.0.1 unless the user asks otherwise; never
-  expose a dev-mode server on a shared network.
+  methods on the workers, so the server binds to 127.0.0.1; a non-loopback address is refused
+  (:func:`check_bind_host`) unless the caller passes ``allow_remote_dev_endpoints=True``
+  (``--allow-remote-dev-endpoints``); never expose a dev-mode server on a shared network.
 - ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution that was
   sampled from (after temperature, top-k, top-p), which is what importance ratios need; vLLM's
   default (``raw_logprobs``) returns pre-temperature values.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import ipaddress
 import os
 import signal
 import socket
@@ -81,6 +83,54 @@ def _stop_all() -> None:
             pass
 
 
+class UnsafeBindError(ValueError):
+    """A dev-mode server was asked to listen on a non-loopback address without consent."""
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an address or a name) only ever means this machine."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_bind_host(
+    host: str,
+    allow_remote: bool = False,
+    *,
+    key: str = "--host",
+    allow_flag: str = "--allow-remote-dev-endpoints",
+) -> None:
+    """Refuses a non-loopback bind address for a dev-mode vLLM server unless ``allow_remote``.
+
+    Dev mode (``VLLM_SERVER_DEV_MODE=1``, which per-step weight reload needs) serves
+    ``/collective_rpc``, which runs methods on the workers: anyone who can reach the port can run
+    code on this machine. ``key`` and ``allow_flag`` name the option and the consent switch in the
+    one-line message (the CLI's flags by default, shown ``--host 0.0.0.0``; a config key such as
+    ``sampler.vllm_host`` is shown ``sampler.vllm_host='0.0.0.0'``).
+
+    Raises:
+      UnsafeBindError: ``host`` is not loopback and ``allow_remote`` is False.
+    """
+    if allow_remote or is_loopback(host):
+        return
+    where = f"{key} {host}" if key.startswith("-") else f"{key}={host!r}"
+    raise UnsafeBindError(
+        f"{where}: refusing to expose a dev-mode vLLM server beyond this machine: its "
+        "/collective_rpc endpoint runs methods on the workers, so anyone who can reach the port "
+        f"can run code here; bind 127.0.0.1 (and tunnel, e.g. ssh -L) or pass {allow_flag} on "
+        "a trusted network"
+    )
+
+
 def pick_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS may hand it out again; good enough here)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -104,7 +154,9 @@ class VLLMServer:
       model_dir: a Hugging Face model directory (config.json, safetensors, tokenizer files).
       python: interpreter of the environment where vLLM is installed (defaults to env
         ``JAXRLVR_VLLM_PYTHON``, else this interpreter).
-      host: bind address; 127.0.0.1 by default because dev mode exposes worker RPC.
+      host: bind address; 127.0.0.1 by default because dev mode exposes worker RPC; a
+        non-loopback address raises `UnsafeBindError` unless `allow_remote_dev_endpoints`.
+      allow_remote_dev_endpoints: accept a non-loopback `host` (trusted networks only).
       port: TCP port; 0 picks a free one.
       max_model_len: longest prompt + completion the server accepts.
       dtype: model dtype on the server.
@@ -132,7 +184,14 @@ class VLLMServer:
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = 300.0,
         start: bool = True,
+        allow_remote_dev_endpoints: bool = False,
     ):
+        check_bind_host(
+            host,
+            allow_remote_dev_endpoints,
+            key="VLLMServer: host",
+            allow_flag="allow_remote_dev_endpoints=True",
+        )
         self.model_dir = os.fspath(model_dir)
         self.python = python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable
         self.host = host
@@ -331,13 +390,22 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="interpreter of the vLLM environment (default: $JAXRLVR_VLLM_PYTHON or this one)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="bind address (loopback only, unless the next flag)"
+    )
+    parser.add_argument(
+        "--allow-remote-dev-endpoints",
+        action="store_true",
+        help="accept a non-loopback --host: the dev-mode endpoints let anyone who reaches the "
+        "port run code on this machine (trusted networks only)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
     parser.add_argument("--log", default=None, help="server log file (default: a temp file)")
     args, extra = parser.parse_known_args(argv)
+    check_bind_host(args.host, args.allow_remote_dev_endpoints)
     # `kill PID` should stop the server too, not only Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C stops it even when started from a shell that ignores SIGINT for background jobs
@@ -354,6 +422,7 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         extra_args=extra,
         log_path=args.log,
+        allow_remote_dev_endpoints=args.allow_remote_dev_endpoints,
     )
     print(f"jaxrlvr serve-vllm: ready at {server.url} (log {server.log_path})", flush=True)
     try:

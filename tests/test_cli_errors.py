@@ -1,0 +1,170 @@
+"""User mistakes at the command line end in one line on stderr and a non-zero status, with no
+traceback, and touch nothing on disk (eval/export without a checkpoint, an export over an earlier
+one, an unsafe serve-vllm bind, checkpoint write errors)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jaxrlvr import checkpoint, cli
+from jaxrlvr import config as config_lib
+
+REPO = pathlib.Path(__file__).parent.parent
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+def _main(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_eval_without_a_checkpoint_is_an_error_not_a_fresh_model(tmp_path):
+    # In a subprocess: proves there is no traceback and no "starting fresh" evaluation.
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrlvr.cli", "eval", DEMO, "--checkpoint", str(run)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"jaxrlvr eval: error: --checkpoint {run}: no complete checkpoint in "
+        f"{run / 'checkpoints'}\n"
+    )
+    assert proc.stdout == ""
+    assert os.listdir(run) == ["checkpoints"] and os.listdir(run / "checkpoints") == []
+
+
+def test_eval_checkpoint_dir_missing(tmp_path, capsys):
+    code, out, err = _main(capsys, "eval", DEMO, "--checkpoint", str(tmp_path / "nope"))
+    assert (code, out) == (2, "")
+    assert err == f"jaxrlvr eval: error: --checkpoint {tmp_path / 'nope'}: no such directory\n"
+    assert not (tmp_path / "nope").exists()
+
+
+def _fake_run(run_dir, steps=(2,)):
+    for step in steps:
+        (run_dir / "checkpoints" / str(step)).mkdir(parents=True)
+    cfg = config_lib.load_config(DEMO)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.config_to_dict(cfg)))
+
+
+def test_export_errors(tmp_path, capsys):
+    run, out_dir = tmp_path / "run", tmp_path / "hf"
+    run.mkdir()
+    code, _, err = _main(capsys, "export", str(run), str(out_dir))
+    assert code == 2
+    assert err == (
+        f"jaxrlvr export: error: export RUN_DIR {run}: no complete checkpoint in "
+        f"{run / 'checkpoints'}\n"
+    )
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    code, _, err = _main(capsys, "export", str(run), str(out_dir))
+    assert (code, err) == (
+        2,
+        f"jaxrlvr export: error: export RUN_DIR {run}: no config.yaml in {run}\n",
+    )
+    code, _, err = _main(capsys, "export", str(run), str(out_dir), "--step", "9")
+    assert err == (
+        f"jaxrlvr export: error: export RUN_DIR {run} --step 9: no complete checkpoint for step "
+        f"9 in {run / 'checkpoints'} (have [2])\n"
+    )
+    assert not out_dir.exists()
+
+
+def test_export_refuses_to_replace_an_earlier_export(tmp_path, capsys):
+    run, out_dir = tmp_path / "run", tmp_path / "hf"
+    _fake_run(run)
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text('{"earlier": true}')
+    (out_dir / "model.safetensors").write_bytes(b"weights")
+    code, _, err = _main(capsys, "export", str(run), str(out_dir))
+    assert code == 2
+    assert err == (
+        f"jaxrlvr export: error: export OUT_DIR {out_dir}: already holds a model (config.json, "
+        "model.safetensors); pass --overwrite to replace it\n"
+    )
+    assert (out_dir / "config.json").read_text() == '{"earlier": true}'
+    assert (out_dir / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_serve_vllm_refuses_a_public_bind(capsys, tmp_path):
+    code, out, err = _main(capsys, "serve-vllm", "--model", str(tmp_path), "--host", "0.0.0.0")
+    assert code == 2 and out == ""
+    assert err == (
+        "jaxrlvr serve-vllm: error: --host 0.0.0.0: refusing to expose a dev-mode vLLM server "
+        "beyond this machine: its /collective_rpc endpoint runs methods on the workers, so anyone "
+        "who can reach the port can run code here; bind 127.0.0.1 (and tunnel, e.g. ssh -L) or "
+        "pass --allow-remote-dev-endpoints on a trusted network\n"
+    )
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    from jaxrlvr import train
+
+    calls = []
+
+    def run(cfg, *, resume=False):  # today's signature: no overwrite keyword
+        calls.append({"resume": resume})
+        return {}
+
+    monkeypatch.setattr(train, "run", run)
+    return calls
+
+
+def test_train_passes_overwrite_only_when_set(capsys, fake_run, monkeypatch):
+    from jaxrlvr import train
+
+    assert _main(capsys, "train", DEMO, "rl.steps=1")[0] == 0
+    assert fake_run == [{"resume": False}]
+
+    seen = []
+    monkeypatch.setattr(
+        train, "run", lambda cfg, *, resume=False, overwrite=False: seen.append(overwrite) or {}
+    )
+    assert _main(capsys, "sft", DEMO, "--overwrite")[0] == 0
+    assert seen == [True]
+
+
+def test_checkpoint_error_is_one_line_with_status_1(capsys, monkeypatch):
+    from jaxrlvr import train
+
+    def run(cfg, *, resume=False):
+        raise checkpoint.CheckpointError(
+            "cannot save step 3 in /x/checkpoints: no space left on device (ENOSPC); the previous "
+            "checkpoints (steps [1, 2]) are intact"
+        )
+
+    monkeypatch.setattr(train, "run", run)
+    code, _, err = _main(capsys, "train", DEMO)
+    assert code == 1
+    assert err == (
+        "jaxrlvr train: error: cannot save step 3 in /x/checkpoints: no space left on device "
+        "(ENOSPC); the previous checkpoints (steps [1, 2]) are intact\n"
+    )
+
+
+def test_preflight_error_from_train_is_one_line(capsys, monkeypatch):
+    from jaxrlvr import preflight, train
+
+    def run(cfg, *, resume=False):
+        preflight.check(cfg)
+
+    monkeypatch.setattr(train, "run", run)
+    code, _, err = _main(capsys, "train", DEMO, "data.train=data/MATH/train.jsonl")
+    assert (code, err) == (
+        2,
+        "jaxrlvr train: error: data.train='data/MATH/train.jsonl': file not found\n",
+    )
