@@ -3,7 +3,9 @@
 Verifiers run sympy, which can take unbounded time or memory on adversarial answers
 (``10^{10^{10^{10}}}``). ``GradingPool`` runs each (response, truth) pair in a worker process with
 its own deadline; a worker that misses it is killed and replaced, and the pair scores zero. Grader
-exceptions also score zero. Both are counted in ``GradingStats`` and never end the run.
+exceptions also score zero. A worker that dies mid-pair is noticed (its pipe closes) and replaced;
+killed by a signal from outside, its pair is graded again once. All are counted in
+``GradingStats`` and never end the run.
 
 Why processes and not threads or SIGALRM: the trainer's process holds JAX threads, signals only
 reach the main thread, and a thread stuck in sympy cannot be stopped. Workers are started with the
@@ -14,7 +16,7 @@ module imports at top level (JAX included) is imported by the workers too (it fi
 4 GiB worker memory limit, but costs start-up time).
 
 The reward function is pickled to the workers with each call: it must be a module-level function
-or a ``functools.partial`` of one. Left out: retries (a timed-out pair simply scores zero).
+or a ``functools.partial`` of one. Left out: retries of timed-out pairs (they score zero).
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ class GradingStats:
       errors: pairs whose reward function raised, returned a non-dict, or whose worker died
         (scored zero).
       seconds: wall-clock time of the call.
+      crashes: workers that died while grading (each replaced). A worker killed by a signal
+        (SIGKILL from outside) has its pair graded again, once, on a fresh worker; a pair whose
+        worker exits by itself, or dies on the retry, scores zero and counts in ``errors``.
     """
 
     n: int
     timeouts: int
     errors: int
     seconds: float
+    crashes: int = 0
 
     def as_metrics(self, prefix: str = "grading/") -> dict[str, float]:
         """Flat float metrics, ready for a metrics writer."""
@@ -221,7 +227,8 @@ class GradingPool:
         start = time.perf_counter()
         pending = collections.deque(range(len(responses)))
         results: list[dict[str, float] | None] = [None] * len(responses)
-        timeouts = errors = 0
+        timeouts = errors = crashes = 0
+        retried: set[int] = set()
 
         while pending or any(w.state == "busy" for w in self._workers):
             now = time.monotonic()
@@ -254,9 +261,19 @@ class GradingPool:
                         raise RuntimeError(
                             f"grading worker exited during startup ({code})"
                         ) from None
-                    errors += 1
-                    results[worker.task] = dict(_ZERO)
+                    task = worker.task
+                    worker.process.join(timeout=5)
+                    code = worker.process.exitcode
                     self._replace(index)
+                    crashes += 1
+                    if code is not None and code < 0 and task not in retried:
+                        # Killed by a signal from outside (SIGKILL by an operator or a
+                        # scheduler): not the pair's doing, so grade it again on a new worker.
+                        retried.add(task)
+                        pending.appendleft(task)
+                    else:
+                        errors += 1
+                        results[task] = dict(_ZERO)
                     continue
                 if kind == "ready":
                     worker.state = "idle"
@@ -280,7 +297,9 @@ class GradingPool:
                     )
 
         scores = [r if r is not None else dict(_ZERO) for r in results]
-        stats = GradingStats(len(scores), timeouts, errors, time.perf_counter() - start)
+        stats = GradingStats(
+            len(scores), timeouts, errors, time.perf_counter() - start, crashes=crashes
+        )
         return scores, stats
 
     def close(self) -> None:
