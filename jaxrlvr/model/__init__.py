@@ -26,6 +26,7 @@ from jaxrlvr.model.weights import (
     load_hf,
     param_count,
     save_hf,
+    save_hf_params,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "param_partition_specs",
     "param_shardings",
     "save_hf",
+    "save_hf_params",
 ]

@@ -219,8 +219,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_config(hf, **overrides)
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """A config.json dict that transformers' Qwen2Config (and vLLM) load."""
+    def to_hf_config(self, *, untied: bool = False) -> dict[str, Any]:
+        """A config.json dict that transformers' Qwen2Config (and vLLM) load.
+
+        ``untied``: say ``tie_word_embeddings: false`` whatever the model does, for a checkpoint
+        that stores ``lm_head.weight`` as its own copy of the embedding (the vLLM export).
+        """
         out = dict(self.hf_config or {})
         for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
             out.pop(stale, None)
@@ -237,7 +241,7 @@ class ModelConfig:
             rope_theta=self.rope_theta,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings and not untied,
             initializer_range=self.initializer_range,
             hidden_act="silu",
             attention_dropout=0.0,

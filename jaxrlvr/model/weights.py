@@ -6,9 +6,10 @@ naming the file or tensor and nothing half-loaded. With a mesh, each parameter i
 ``jax.make_array_from_callback``: a device receives only its own shard, so a model larger than one
 device never materialises whole on one device.
 
-``save_hf`` / ``hf_state_dict`` write transformers' names and layouts (the same map serves the
-vLLM weight export). The map is one table, ``_TENSORS``: HF name template, our parameter path, and
-the reshapes between HF's [out, in] matrices and our per-head einsum kernels.
+``save_hf_params`` is the one writer of HF files: ``save_hf`` (a model) and the vLLM weight
+export (``sampling.weight_export``) call it. ``hf_state_dict`` gives transformers' names and
+layouts; the map is one table, ``_TENSORS``: HF name template, our parameter path, and the
+reshapes between HF's [out, in] matrices and our per-head einsum kernels.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
+import tempfile
+import time
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import numpy as np
@@ -33,6 +38,7 @@ from jaxrlvr.model.qwen2 import Qwen2ForCausalLM
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Non-parameter buffers some older checkpoints carry; safe to ignore.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _TOKENIZER_FILES = (
@@ -389,33 +395,64 @@ def hf_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
     return out
 
 
+def _atomic_save_file(tensors: dict[str, np.ndarray], file: str) -> None:
+    """``safetensors`` to a temporary name in the same directory, renamed into place: a reader
+    (a vLLM server reloading, a loader) never sees a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=os.path.dirname(file))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _atomic_write_json(obj, file: str) -> None:
+    tmp = file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, file)
+
+
 def save_state_dict(
-    tensors: dict[str, np.ndarray], path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    tensors: dict[str, np.ndarray],
+    path: str,
+    *,
+    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[str]:
-    """Writes safetensors (with an index when above ``max_shard_bytes``); returns the file names."""
+    """Writes safetensors, each file atomically; returns the file names.
+
+    One ``model.safetensors`` unless the tensors exceed ``max_shard_bytes`` (None: never split),
+    else ``model-0000i-of-0000n.safetensors`` shards and their index. Weight files of an earlier
+    layout (a stale index, single file or shards) are removed, so a loader never mixes the two.
+    """
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in tensors.items():
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and shards[-1] and size + arr.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
-    meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SAFETENSORS_FILE), metadata=meta)
-        stale = os.path.join(path, SAFETENSORS_INDEX)
-        if os.path.exists(stale):
-            os.remove(stale)
-        return [SAFETENSORS_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
+        names = [SAFETENSORS_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, shard in zip(names, shards):
-        save_file(shard, os.path.join(path, fname), metadata=meta)
-        weight_map.update({k: fname for k in shard})
-    total = sum(a.nbytes for a in tensors.values())
-    with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _atomic_save_file(shard, os.path.join(path, fname))
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if len(shards) > 1:
+        weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
+        total = sum(a.nbytes for a in tensors.values())
+        _atomic_write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, index)
+    elif os.path.exists(index):
+        os.remove(index)
+    for fname in os.listdir(path):
+        stale = fname == SAFETENSORS_FILE or _SHARD_NAME.fullmatch(fname)
+        if stale and fname not in names:
+            os.remove(os.path.join(path, fname))
     return names
 
 
@@ -430,6 +467,57 @@ def copy_tokenizer(source, path: str) -> None:
             shutil.copy2(src, os.path.join(path, fname))
 
 
+def save_hf_params(
+    cfg: ModelConfig,
+    params: nnx.State,
+    path: str | os.PathLike,
+    *,
+    untied: bool = False,
+    config: Literal["always", "if_missing", "never"] = "always",
+    tokenizer_src=None,
+    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
+) -> dict[str, float]:
+    """Writes ``params`` as a Hugging Face checkpoint directory: the one HF writer.
+
+    ``save_hf`` (a model, for transformers) and ``sampling.weight_export.export_weights`` (every
+    RL step, for a vLLM server to reload) both call this. Every file is written under a temporary
+    name and renamed into place.
+
+    Args:
+      cfg: the model's config; params: its ``nnx.Param`` state.
+      untied: for a tied model, also write ``lm_head.weight`` (a copy of the embedding) and say
+        ``tie_word_embeddings: false`` in config.json.
+      config: write config.json "always", only "if_missing" (a repeated export of new weights
+        into the same directory skips it), or "never".
+      tokenizer_src: a tokenizer directory or object whose files are copied alongside.
+      max_shard_bytes: split the safetensors above this size (None: always one file).
+
+    Returns:
+      ``to_host_s`` (device -> NumPy in HF layout), ``write_s`` (files), ``num_params`` and
+      ``bytes`` of the tensors written.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    t0 = time.perf_counter()
+    tensors = hf_state_dict(cfg, params)
+    if untied and cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    t1 = time.perf_counter()
+    save_state_dict(tensors, path, max_shard_bytes=max_shard_bytes)
+    config_file = os.path.join(path, "config.json")
+    if config == "always" or (config == "if_missing" and not os.path.exists(config_file)):
+        _atomic_write_json(cfg.to_hf_config(untied=untied), config_file)
+    if tokenizer_src is not None:
+        copy_tokenizer(tokenizer_src, path)
+    t2 = time.perf_counter()
+    return {
+        "to_host_s": t1 - t0,
+        "write_s": t2 - t1,
+        "num_params": float(sum(v.size for v in tensors.values())),
+        "bytes": float(sum(v.nbytes for v in tensors.values())),
+    }
+
+
 def save_hf(
     model: Qwen2ForCausalLM,
     path: str | os.PathLike,
@@ -438,16 +526,14 @@ def save_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Writes config.json and safetensors that ``transformers.AutoModelForCausalLM`` loads."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    cfg = model.config
-    tensors = hf_state_dict(cfg, nnx.state(model, nnx.Param))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_config(), f, indent=2)
-    save_state_dict(tensors, path, max_shard_bytes=max_shard_bytes)
-    if tokenizer_src is not None:
-        copy_tokenizer(tokenizer_src, path)
-    return path
+    save_hf_params(
+        model.config,
+        nnx.state(model, nnx.Param),
+        path,
+        tokenizer_src=tokenizer_src,
+        max_shard_bytes=max_shard_bytes,
+    )
+    return os.fspath(path)
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalLM:
@@ -489,5 +575,6 @@ __all__ = [
     "load_hf",
     "param_count",
     "save_hf",
+    "save_hf_params",
     "save_state_dict",
 ]

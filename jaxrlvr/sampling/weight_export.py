@@ -1,10 +1,12 @@
 """Writes the trainer's parameters as Hugging Face safetensors for a vLLM server to reload.
 
-Names come from `jaxrlvr.model.weights.hf_state_dict`, the same map `save_hf` uses, so what vLLM
-reads is exactly what a saved checkpoint would hold. The file is written under a temporary name
-and renamed into place, so a server (re)starting or reloading at the same moment never sees a
-half-written file. The default directory is on tmpfs (/dev/shm) when present: the export is then
-a memory copy, not a disk write.
+A thin caller of `jaxrlvr.model.weights.save_hf_params`, the one HF writer (`save_hf` uses it too),
+so what vLLM reads is exactly what a saved checkpoint would hold. What the export adds, for speed
+and for vLLM: one ``model.safetensors`` (never split), config.json written only when the directory
+has none (every later step writes the weights alone), and a tied model served untied (see
+`hf_config_dict`). Files are written under a temporary name and renamed into place, so a server
+(re)starting or reloading at the same moment never sees a half-written file. The default directory
+is on tmpfs (/dev/shm) when present: the export is then a memory copy, not a disk write.
 
 Not here: sending weights over NCCL (vLLM's ``/update_weights`` route), which is the GPU fast path
 and lives behind `VLLMSampler.update_weights`.
@@ -12,16 +14,10 @@ and lives behind `VLLMSampler.update_weights`.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 from typing import Any
-
-import numpy as np
-import safetensors.numpy
-
-WEIGHTS_FILE = "model.safetensors"
 
 
 def default_export_dir(prefix: str = "jaxrlvr-weights-") -> str:
@@ -39,11 +35,7 @@ def hf_config_dict(cfg: Any) -> dict:
     the model untied, with ``lm_head.weight`` written as a copy of the embedding, gives the same
     logits and reloads both matrices.
     """
-    hf = dict(cfg.to_hf_config())
-    hf.setdefault("architectures", ["Qwen2ForCausalLM"])
-    hf.setdefault("model_type", "qwen2")
-    hf["tie_word_embeddings"] = False
-    return hf
+    return cfg.to_hf_config(untied=True)
 
 
 def export_weights(
@@ -65,34 +57,14 @@ def export_weights(
     """
     from jaxrlvr.model import weights
 
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
     t0 = time.perf_counter()
-    tensors = weights.hf_state_dict(cfg, params)
-    if cfg.tie_word_embeddings:  # served untied: see hf_config_dict
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    # safetensors wants C-contiguous host arrays; np.ascontiguousarray is a no-op when they are.
-    tensors = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
-    t1 = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(directory, WEIGHTS_FILE))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    config_path = os.path.join(directory, "config.json")
-    if write_config and not os.path.exists(config_path):
-        with open(config_path + ".tmp", "w") as f:
-            json.dump(hf_config_dict(cfg), f, indent=2)
-        os.replace(config_path + ".tmp", config_path)
-    t2 = time.perf_counter()
-    return {
-        "to_host_s": t1 - t0,
-        "write_s": t2 - t1,
-        "export_s": t2 - t0,
-        "num_params": float(sum(v.size for v in tensors.values())),
-        "bytes": float(sum(v.nbytes for v in tensors.values())),
-    }
+    out = weights.save_hf_params(
+        cfg,
+        params,
+        directory,
+        untied=True,  # see hf_config_dict
+        config="if_missing" if write_config else "never",
+        max_shard_bytes=None,
+    )
+    out["export_s"] = time.perf_counter() - t0
+    return out

@@ -174,7 +174,26 @@ def test_resave_single_file_removes_stale_index(hf_untied, tmp_path):
     M.save_hf(lm, tmp_path, max_shard_bytes=50_000)
     M.save_hf(lm, tmp_path)
     assert not (tmp_path / INDEX).exists()
+    # Stale shards go too: a loader scanning *.safetensors must not mix two layouts.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", SINGLE]
     assert params_equal(M.load_hf(tmp_path), lm)
+    M.save_hf(lm, tmp_path, max_shard_bytes=50_000)
+    assert not (tmp_path / SINGLE).exists() and (tmp_path / INDEX).exists()
+    assert params_equal(M.load_hf(tmp_path), lm)
+
+
+def test_save_hf_params_untied_writes_a_loadable_untied_copy(hf_tied, tmp_path, ids):
+    lm = M.load_hf(hf_tied.path)
+    assert lm.config.tie_word_embeddings
+    M.save_hf_params(lm.config, nnx.state(lm, nnx.Param), tmp_path, untied=True)
+    tensors = load_file(tmp_path / SINGLE)
+    np.testing.assert_array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    reloaded = load_transformers(tmp_path)
+    with torch.no_grad():
+        expected = hf_tied.torch_model(torch.as_tensor(np.asarray(ids))).logits.numpy()
+        got = reloaded(torch.as_tensor(np.asarray(ids))).logits.numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

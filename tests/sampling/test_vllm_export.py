@@ -84,3 +84,15 @@ def test_tied_model_is_exported_untied_with_the_same_logits(tmp_path, helpers):
     ids = jax.numpy.arange(12, dtype=jax.numpy.int32).reshape(2, 6) % cfg.vocab_size
     # Same weights, a transposed matmul: equal up to float32 summation order.
     np.testing.assert_allclose(np.asarray(served(ids)), np.asarray(model(ids)), atol=1e-5)
+
+
+def test_later_exports_write_the_weights_alone(tmp_path, tiny):
+    # The per-step path keeps the config.json already there (written once, or by the caller).
+    cfg, first, second = tiny
+    weight_export.export_weights(cfg, first, tmp_path, write_config=False)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    weight_export.export_weights(cfg, first, tmp_path)
+    (tmp_path / "config.json").write_text('{"kept": true}')
+    weight_export.export_weights(cfg, second, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"kept": True}
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
