@@ -5,16 +5,43 @@ tokens that survive ``decode(..., skip_special_tokens=True)``, ``<|endoftext|>``
 ``<|pad|>`` (pad) and ``<|unk|>`` for anything else. Built with the ``tokenizers`` library, so it
 needs no download; the vocabulary order is fixed, so two builds give identical ids.
 Left out: any merges (a BPE with an empty merge list is exactly character-level).
+
+Importing this module filters out one log line: transformers' "PyTorch was not found..."
+advisory, which a torch-free environment (the demo's) would otherwise print as if it were an
+error. Everything else transformers logs is untouched.
 """
 
 from __future__ import annotations
 
+import logging
 import string
 from collections.abc import Sequence
 
-import tokenizers
-import transformers
-from tokenizers import decoders, models
+# The advisory transformers logs when it is imported without torch. jaxrlvr needs transformers
+# only for tokenizers (the demo's environment has no torch), so there it is expected, not an error.
+TORCH_MISSING_ADVISORY = "PyTorch was not found."
+
+
+class _DropTorchMissingAdvisory(logging.Filter):
+    """Drops exactly transformers' torch-missing advisory; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TORCH_MISSING_ADVISORY)
+
+
+def silence_torch_missing_advisory() -> None:
+    """Installs (once) a filter on the ``transformers`` logger, which logs the advisory from its
+    ``__init__``; call it before transformers is first imported. Idempotent."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _DropTorchMissingAdvisory) for f in logger.filters):
+        logger.addFilter(_DropTorchMissingAdvisory())
+
+
+silence_torch_missing_advisory()
+
+import tokenizers  # noqa: E402  (after the filter: transformers logs the advisory at import)
+import transformers  # noqa: E402
+from tokenizers import decoders, models  # noqa: E402
 
 PAD = "<|pad|>"
 EOS = "<|endoftext|>"

@@ -1,5 +1,10 @@
 """Character tokenizer: round trips, whole-token tags, special tokens, save and reload."""
 
+import logging
+import os
+import subprocess
+import sys
+
 import transformers
 
 from jaxrlvr.data import tokenizer
@@ -44,3 +49,59 @@ def test_custom_extra_tokens():
     tok = tokenizer.build_char_tokenizer(extra_tokens=("<sep>",))
     assert tok.convert_ids_to_tokens(tok("a<sep>b")["input_ids"]) == ["a", "<sep>", "b"]
     assert "<answer>" not in tok.get_vocab()
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers' torch-missing advisory (the demo's environment has no torch)
+
+# transformers decides "no torch" with importlib.util.find_spec, which says None for a module
+# that sys.modules maps to None: a torch-free environment without building one.
+_WITHOUT_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
+def _run_without_torch(code: str) -> str:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH + code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_transformers_alone_prints_the_advisory_without_torch():
+    # The control: the simulation reproduces what the demo printed.
+    assert tokenizer.TORCH_MISSING_ADVISORY in _run_without_torch("import transformers")
+
+
+def test_tokenizer_path_prints_no_advisory_without_torch():
+    out = _run_without_torch(
+        "from jaxrlvr.data import tokenizer\n"
+        "import transformers\n"
+        "tok = tokenizer.build_char_tokenizer()\n"
+        "assert tok.decode(tok('1 + 2')['input_ids']) == '1 + 2'\n"
+        "print('ok')\n"
+    )
+    assert tokenizer.TORCH_MISSING_ADVISORY not in out
+    assert out.strip() == "ok"
+
+
+def test_only_the_advisory_is_dropped():
+    logger = logging.getLogger("transformers")
+
+    def record(msg):
+        return logger.makeRecord("transformers", logging.WARNING, __file__, 1, msg, (), None)
+
+    tokenizer.silence_torch_missing_advisory()  # idempotent: one filter however often called
+    filters = [f for f in logger.filters if isinstance(f, tokenizer._DropTorchMissingAdvisory)]
+    assert len(filters) == 1
+    assert not logger.filter(record("PyTorch was not found. Models won't be available ..."))
+    assert logger.filter(record("Some weights of the model checkpoint were not used"))
+    assert logger.filter(record("PyTorch version 2.5 is too old"))
