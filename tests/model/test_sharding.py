@@ -96,6 +96,24 @@ def test_golden_logical_axes_and_specs_tiny(mesh):
     assert specs == {k: v[1] for k, v in GOLDEN.items()}
 
 
+def test_logical_shardings_one_rule_for_params_and_anything_around_them(mesh):
+    # The one implementation behind param_shardings, algos.step.state_shardings and load_hf:
+    # Variables by their logical axes (the golden table), every other leaf replicated.
+    params = abstract_params(M.ModelConfig.tiny(tie_word_embeddings=False))
+    tree = {"params": params, "step": jnp.zeros((), jnp.int32), "rng": jax.random.key(0)}
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    out = M.logical_shardings(tree, mesh)
+    got = {k: v.get_value() for k, v in flat(out["params"], is_var).items()}
+    assert got == {k: NamedSharding(mesh, v[1]) for k, v in GOLDEN.items()}
+    assert out["step"] == out["rng"] == NamedSharding(mesh, P())
+    same = flat(M.param_shardings(params, mesh), is_var)
+    assert {k: v.get_value() for k, v in same.items()} == got
+    # A single array: a KV cache [B, K, H, S] gets batch over fsdp and kv heads over tensor.
+    cache = M.logical_sharding(("batch", "kv_heads", "head_dim", "seq"), (8, 2, 16, 32), mesh)
+    assert cache == NamedSharding(mesh, P("fsdp", "tensor"))
+    assert M.logical_sharding(None, (3,), mesh) == NamedSharding(mesh, P())
+
+
 def test_golden_specs_qwen25_1_5b(mesh):
     # The real 1.5B shapes divide evenly on this mesh: the same table, lm_head absent (tied).
     hf = json.loads((helpers.FIXTURES / "qwen2.5-1.5b.json").read_text())
