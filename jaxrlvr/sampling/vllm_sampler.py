@@ -436,11 +436,23 @@ class VLLMSampler:
                 self._post(t, "/pause", params={"mode": "wait"})
                 pause_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            self._post(
-                t,
-                "/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": self.export_dir}},
-            )
+            try:
+                self._post(
+                    t,
+                    "/collective_rpc",
+                    json={"method": "reload_weights", "kwargs": {"weights_path": self.export_dir}},
+                )
+            except (httpx.TransportError, VLLMError):
+                # Killed during the reload (or the export before it): a server of ours restarts
+                # directly on the new weights; anything else is raised as it was.
+                if t.server is None or (t.server.alive() and self._healthy(t)):
+                    raise
+                if not self.restart_dead_servers:
+                    raise VLLMError(
+                        f"vLLM server at {t.url} died during a weight reload (exit code "
+                        f"{t.server.returncode()}) and restart_dead_servers=False"
+                    ) from None
+                t.server.restart(self.export_dir)
             t2 = time.perf_counter()
             # Without this, prompts cached before the update keep their old-weight KV blocks.
             for _ in range(20):
