@@ -1,6 +1,6 @@
 """GRPO update throughput, jaxrlvr vs a PyTorch reference: see ``jaxrlvr.bench.update``.
 
-Usage: python benchmarks/bench_update.py [--tiny] [--json PATH] [--steps N]
+Usage: python benchmarks/bench_update.py [--tiny] [--json PATH] [--repeats N]
 """
 
 import sys

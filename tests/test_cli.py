@@ -44,7 +44,7 @@ def test_unknown_command_and_benchmark_are_errors():
     "name, args",
     [
         ("forward", ["--shapes", "tiny", "--repeats", "1"]),
-        ("update", ["--tiny", "--steps", "1", "--systems", "jaxrlvr"]),
+        ("update", ["--tiny", "--repeats", "1", "--systems", "jaxrlvr"]),
         ("rewards", ["--n", "20", "--workers", "1"]),
     ],
 )

@@ -8,12 +8,18 @@
   torch-only workers never call them, so JAX does not count towards their peak RSS.
 - ``run_worker`` runs one system in a fresh ``python -m MODULE`` process (so its peak RSS is its
   own) on one real CPU device, and reads back the JSON record the worker wrote to ``--_out``.
+- ``parser`` and the ``add_*`` helpers: every ``jaxrlvr bench NAME`` spells the same thing the
+  same way: ``--json PATH`` (the records), ``--repeats N`` (timed repetitions, median reported),
+  ``--vllm-python PATH`` (the interpreter of a vLLM environment, default env
+  ``JAXRLVR_VLLM_PYTHON``), ``--shapes a,b`` and ``--systems a,b`` (comma lists, checked by
+  ``comma_list``); ``prog`` is ``jaxrlvr bench NAME`` so ``--help`` and errors name the command.
 
 Deliberately left out: the systems themselves and their tables; each benchmark keeps its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -126,3 +132,55 @@ def save_json(path: str | None, obj: Any) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line: the flags every benchmark shares, spelled once
+
+VLLM_PYTHON_ENV = "JAXRLVR_VLLM_PYTHON"
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``jaxrlvr bench NAME``: its prog, the doc's first line, and ``--json PATH``."""
+    p = argparse.ArgumentParser(
+        prog=f"jaxrlvr bench {name}", description=(doc or "").strip().split("\n")[0]
+    )
+    p.add_argument("--json", metavar="PATH", default=None, help="write the records to this file")
+    return p
+
+
+def add_repeats(p: argparse.ArgumentParser, default: int, what: str = "timed repeats") -> None:
+    """``--repeats N`` (>= 1): how many timed repetitions per system; the median is reported."""
+
+    def positive(text: str) -> int:
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+        return n
+
+    p.add_argument(
+        "--repeats", metavar="N", type=positive, default=default, help=f"{what} (default {default})"
+    )
+
+
+def add_vllm_python(p: argparse.ArgumentParser, what: str = "") -> None:
+    """``--vllm-python PATH``: the python of a vLLM environment (``scripts/setup_vllm.sh``),
+    default env ``JAXRLVR_VLLM_PYTHON``."""
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        default=os.environ.get(VLLM_PYTHON_ENV),
+        help=f"python of a vLLM environment{what} (default: env {VLLM_PYTHON_ENV})",
+    )
+
+
+def comma_list(p: argparse.ArgumentParser, flag: str, value: str, allowed) -> list[str]:
+    """The non-empty items of a comma list, each checked against ``allowed`` (``p.error``
+    names the flag and the choices otherwise)."""
+    items = [s for s in value.split(",") if s]
+    for item in items:
+        if item not in allowed:
+            p.error(f"{flag}: {item!r} is not one of {', '.join(allowed)}")
+    if not items:
+        p.error(f"{flag}: empty list (choose from {', '.join(allowed)})")
+    return items

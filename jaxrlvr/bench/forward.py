@@ -12,13 +12,13 @@ Then, on the same [B, T] token batch with a full attention mask:
 Each reports the median over ``--repeats`` calls as tokens/s (B x T / seconds), next to the max
 |logit difference| of the two outputs (a check that the two sides really ran the same model).
 
-Usage: ``python benchmarks/bench_forward.py [--shapes tiny,small] [--repeats N] [--json PATH]``.
+Usage: ``jaxrlvr bench forward [--shapes tiny,small] [--repeats N] [--json PATH]`` (or
+``python benchmarks/bench_forward.py``).
 Not a test: numbers depend on the machine and its load.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -106,26 +106,20 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="jaxrlvr bench forward", description=__doc__.split("\n")[0]
+    parser = common.parser("forward", __doc__)
+    parser.add_argument(
+        "--shapes", default="tiny,small", help=f"comma list of {', '.join(sorted(SHAPES))}"
     )
-    parser.add_argument("--shapes", default="tiny,small", help=f"comma list of {sorted(SHAPES)}")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per system (median)")
-    parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    common.add_repeats(parser, 5, "timed calls per system")
     args = parser.parse_args(argv)
-    names = [s for s in args.shapes.split(",") if s]
-    for n in names:
-        if n not in SHAPES:
-            parser.error(f"--shapes: {n!r} is not one of {sorted(SHAPES)}")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+    names = common.comma_list(parser, "--shapes", args.shapes, tuple(sorted(SHAPES)))
 
     import jax
     import torch
 
     rows = [run_shape(n, SHAPES[n], args.repeats) for n in names]
     print(format_table(rows))
-    if args.json_path:
+    if args.json:
         env = dict(
             machine=platform.machine(),
             cpu_count=os.cpu_count(),
@@ -135,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             torch=torch.__version__,
             torch_threads=torch.get_num_threads(),
         )
-        common.save_json(args.json_path, dict(benchmark="forward", env=env, results=rows))
+        common.save_json(args.json, dict(benchmark="forward", env=env, results=rows))
     return 0
 
 

@@ -11,12 +11,12 @@ For each workload it reports the in-process serial rate (``grade_in_process``, n
 the pool rate (``GradingPool(num_workers, timeout_s)``; worker start-up excluded and reported on
 its own). Not a test: numbers are for the closing note and for spotting regressions by eye.
 
-Usage: python benchmarks/bench_rewards.py [--n 600] [--workers 2] [--timeout 5] [--json PATH]
+Usage: ``jaxrlvr bench rewards [--n 600] [--workers 2] [--timeout 5] [--json PATH]`` (or
+``python benchmarks/bench_rewards.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -79,11 +79,10 @@ WORKLOADS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser("rewards", __doc__)
     parser.add_argument("--n", type=int, default=600, help="responses per workload")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=5.0)
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--workers", type=int, default=2, help="grading pool processes")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per response")
     args = parser.parse_args(argv)
 
     math_equiv.is_equivalent("\\frac12", "0.5")  # import/warm math-verify in this process too

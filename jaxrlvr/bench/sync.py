@@ -7,14 +7,13 @@ confirm, total) and checks after the last sync that the server reports the new v
 generates. Shapes: "ref" is the issue's reference shape (vocab 8192, hidden 256, intermediate 704,
 4 layers, 4 heads, 2 KV heads, untied, float32, ~7M params); "50m" is a ~50M-param random model.
 
-Usage: python benchmarks/bench_sync.py [--json PATH] [--python VLLM_PYTHON] [--shapes ref,50m]
-       (--python defaults to env JAXRLVR_VLLM_PYTHON.)
+Usage: ``jaxrlvr bench sync [--json PATH] [--vllm-python PATH] [--shapes ref,50m] [--repeats N]``
+(or ``python benchmarks/bench_sync.py``); ``--vllm-python`` defaults to env JAXRLVR_VLLM_PYTHON.
 Not a test: numbers are for the closing note and for spotting regressions by eye.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -108,18 +107,20 @@ def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=None, help="write the records here")
-    parser.add_argument("--python", default=os.environ.get("JAXRLVR_VLLM_PYTHON"))
-    parser.add_argument("--shapes", default="ref,50m")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = common.parser("sync", __doc__)
+    common.add_vllm_python(parser, " (required)")
+    parser.add_argument("--shapes", default="ref,50m", help=f"comma list of {', '.join(SHAPES)}")
+    common.add_repeats(parser, 5, "timed syncs per shape")
     args = parser.parse_args(argv)
-    if not args.python:
-        parser.error("need --python or env JAXRLVR_VLLM_PYTHON (see scripts/setup_vllm.sh)")
+    if not args.vllm_python:
+        parser.error(
+            f"need --vllm-python or env {common.VLLM_PYTHON_ENV} (see scripts/setup_vllm.sh)"
+        )
+    shapes = common.comma_list(parser, "--shapes", args.shapes, tuple(SHAPES))
     records = []
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as workdir:
-        for name in args.shapes.split(","):
-            rec = bench_shape(name, args.python, args.repeats, workdir)
+        for name in shapes:
+            rec = bench_shape(name, args.vllm_python, args.repeats, workdir)
             records.append(rec)
             print(
                 f"{name:>4} {rec['num_params'] / 1e6:6.1f}M params: "

@@ -19,7 +19,8 @@ tokens + attention (12 x layers x heads x head_dim x T per token, PaLM's formula
 matmul is not counted, as in that formula), and peak = the best fp32 dense-matmul throughput
 measured in the same run (the larger of JAX's and torch's).
 
-Usage: ``jaxrlvr bench update [--tiny] [--json PATH] [--steps N] [--systems jaxrlvr,torch]``.
+Usage: ``jaxrlvr bench update [--tiny] [--json PATH] [--repeats N] [--systems jaxrlvr,torch]``
+(or ``python benchmarks/bench_update.py``); ``--repeats``: timed steps per system.
 Not a test: timings are for the closing note and for spotting regressions.
 """
 
@@ -242,18 +243,17 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
 
 def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv = ["--_worker", kind, "--_weights", weights]
-    argv += ["--steps", str(args.steps), "--threads", str(args.threads)]
+    argv += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
     argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="jaxrlvr bench update", description=__doc__.split("\n")[0])
-    p.add_argument("--json", default=None, help="write the records here")
+    p = common.parser("update", __doc__)
     p.add_argument("--tiny", action="store_true", help="small shape for a quick run")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per system (after 1 warmup)")
-    p.add_argument("--systems", default="jaxrlvr,torch")
+    common.add_repeats(p, 5, "timed steps per system, after 1 warm-up step")
+    p.add_argument("--systems", default="jaxrlvr,torch", help="comma list of jaxrlvr, torch")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     p.add_argument("--remat", action="store_true", help="jaxrlvr: rematerialise each layer")
     p.add_argument(
@@ -272,16 +272,13 @@ def main(argv=None) -> int:
         if args._worker == "init":
             rec = _worker_init(shape, args._weights)
         elif args._worker == "jaxrlvr":
-            rec = _worker_jax(shape, args._weights, args.steps, args.remat, args.scan_layers)
+            rec = _worker_jax(shape, args._weights, args.repeats, args.remat, args.scan_layers)
         else:
-            rec = _worker_torch(shape, args._weights, args.steps, args.threads)
+            rec = _worker_torch(shape, args._weights, args.repeats, args.threads)
         common.save_json(args._out, rec)
         return 0
 
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in ("jaxrlvr", "torch"):
-            p.error(f"--systems: unknown system {s!r} (choose from jaxrlvr, torch)")
+    systems = common.comma_list(p, "--systems", args.systems, ("jaxrlvr", "torch"))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         weights = os.path.join(tmp, "weights")

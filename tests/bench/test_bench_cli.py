@@ -1,0 +1,61 @@
+"""Every ``jaxrlvr bench NAME`` names itself and spells the shared flags the same way."""
+
+import importlib
+
+import pytest
+
+BENCHMARKS = ("forward", "rewards", "sampler", "sync", "update")
+
+
+def _help(name: str, capsys) -> str:
+    module = importlib.import_module(f"jaxrlvr.bench.{name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_help_names_the_command_and_offers_json(name, capsys):
+    out = _help(name, capsys)
+    assert out.startswith(f"usage: jaxrlvr bench {name} ")
+    assert "--json PATH" in out or "--json JSON" in out
+
+
+def test_shared_flags_have_one_spelling(capsys):
+    helps = {name: _help(name, capsys) for name in BENCHMARKS}
+    for name in ("sampler", "sync"):
+        assert "--vllm-python" in helps[name]
+    for name, out in helps.items():
+        assert "--python " not in out and "--steps" not in out, name
+    for name in ("forward", "sampler", "sync", "update"):
+        assert "--repeats" in helps[name]
+
+
+def test_sync_without_a_vllm_python_names_the_flag(monkeypatch, capsys):
+    from jaxrlvr.bench import sync
+
+    monkeypatch.delenv("JAXRLVR_VLLM_PYTHON", raising=False)
+    with pytest.raises(SystemExit) as info:
+        sync.main([])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "jaxrlvr bench sync: error: need --vllm-python or env JAXRLVR_VLLM_PYTHON" in err
+
+
+@pytest.mark.parametrize(
+    "name, argv, says",
+    [
+        ("forward", ["--shapes", "huge"], "--shapes: 'huge' is not one of small, tiny"),
+        ("forward", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        ("update", ["--systems", "jax"], "--systems: 'jax' is not one of jaxrlvr, torch"),
+        ("sync", ["--vllm-python", "py", "--shapes", "1b"], "--shapes: '1b' is not one of"),
+    ],
+)
+def test_bad_flags_are_named(name, argv, says, capsys):
+    module = importlib.import_module(f"jaxrlvr.bench.{name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"jaxrlvr bench {name}: error: {says}" in err
