@@ -68,7 +68,7 @@ def run_jaxrlvr(model_dir: str, case: str, repeats: int) -> dict:
 
     num, n = CASES[case]
     lm = M.load_hf(model_dir)
-    sampler = jax_sampler.JaxSampler(lm.config, lm, eos_token_ids=())
+    sampler = jax_sampler.JaxSampler(lm, eos_token_ids=())
     params = base.SamplingParams(
         temperature=1.0, top_p=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, seed=0, logprobs=True
     )

@@ -1,5 +1,8 @@
 """Qwen2 / Qwen2.5 causal language model in Flax NNX, with a KV cache for incremental decoding.
 
+One decoder: the training forward, prefill and one-token decode all run ``_decoder_layer``; only
+the form of the attention product differs with the shapes (see ``grouped_attention``).
+
 Attribute names mirror transformers' ``Qwen2ForCausalLM`` (``model.embed_tokens``,
 ``model.layers.self_attn.q_proj``, ``input_layernorm``, ``lm_head``) so the weight map in
 ``weights.py`` is mechanical. Decoder layers are stored stacked along a leading ``layers`` axis
@@ -125,22 +128,40 @@ class Qwen2Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype)
 
 
+# Logical axes of one layer's cache (see ``KVCache``).
+CACHE_K_AXES = ("batch", "kv_heads", "head_dim", "seq")
+CACHE_V_AXES = ("batch", "kv_heads", "seq", "head_dim")
+
+
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer: ``k`` and ``v`` are [L, B, S, K, H]."""
+    """Keys and values of S slots, one array per layer: ``k[l]`` [B,K,H,S], ``v[l]`` [B,K,S,H].
 
-    k: jax.Array
-    v: jax.Array
+    The layouts are those that one-token decode reads fastest: with one query per row, attention
+    is a multiply-reduce per (row, kv head), and each layout keeps last (contiguous) the axis
+    that its product does NOT reduce (S for scores = sum_H q k, H for out = sum_S p v), so both
+    reductions vectorise. One array per layer, not one stacked array: decode updates one slot of
+    each layer's cache in place inside the sampler's loop.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[-1]
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
-    shape = (cfg.num_hidden_layers, batch_size, max_length, cfg.num_key_value_heads, cfg.head_dim)
+    """An empty cache of ``max_length`` slots, in the compute dtype unless ``dtype`` is given."""
+    k_shape = (batch_size, cfg.num_key_value_heads, cfg.head_dim, max_length)
+    v_shape = (batch_size, cfg.num_key_value_heads, max_length, cfg.head_dim)
     dtype = cfg.compute_dtype if dtype is None else dtype
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    layers = range(cfg.num_hidden_layers)
+    return KVCache(
+        k=tuple(jnp.zeros(k_shape, dtype) for _ in layers),
+        v=tuple(jnp.zeros(v_shape, dtype) for _ in layers),
+    )
 
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float):
@@ -160,19 +181,41 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def grouped_attention(q, k, v, mask_bts) -> jax.Array:
-    """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] (True = attend).
+def grouped_attention(q, k, v, mask_bts, *, cache_layout: bool = False) -> jax.Array:
+    """Grouped-query attention. q [B,T,N,H], mask [B,T,S] (True = attend); k/v [B,S,K,H], or
+    with ``cache_layout`` the cache's k [B,K,H,S] / v [B,K,S,H].
 
-    Scores and softmax are float32 whatever the compute dtype.
+    Scores and softmax are float32 whatever the compute dtype; the probabilities are cast to the
+    value dtype before the product with the values, in every form. One query per row (decode)
+    runs as a float32 multiply-reduce, which XLA's CPU backend runs far faster than ~B*K tiny
+    batched matmuls; in float32 it is the same product, in bfloat16 the same inputs accumulated
+    in float32 (as XLA:CPU's bf16 dot does) and rounded once.
     """
     b, t, n, h = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1] if cache_layout else k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    f32 = jnp.float32
+    if not cache_layout:
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=f32)
+    elif t == 1:
+        # [B, K, G, S] = sum_H q * k, reducing over the middle axis of k [B, K, H, S].
+        scores = jnp.sum(q[:, 0, ..., None].astype(f32) * k[:, :, None].astype(f32), axis=3)
+        scores = scores[:, :, :, None, :]
+    else:
+        # float32 operands: bf16 x bf16 -> f32 in this layout is a dot XLA:CPU cannot run, and
+        # products of bf16 values are exact in float32, so the result is the same.
+        scores = jnp.einsum("BTKGH,BKHS->BKGTS", q.astype(f32), k.astype(f32))
     scores = scores * (h**-0.5)
     scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    if not cache_layout:
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    elif t == 1:
+        # [B, K, G, H] = sum_S probs * v, reducing over the middle axis of v [B, K, S, H].
+        out = jnp.sum(probs[:, :, :, 0, :, None].astype(f32) * v[:, :, None].astype(f32), axis=3)
+        out = out.astype(v.dtype)[:, None]
+    else:
+        out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(f32), v.astype(f32)).astype(v.dtype)
     return out.reshape(b, t, n, h)
 
 
@@ -251,14 +294,17 @@ def _decoder_layer(
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), mesh)
     if k_cache is not None:
+        # The T new keys / values go to slots [cache_index, cache_index + T) (``KVCache``).
         k_cache = jax.lax.dynamic_update_slice_in_dim(
-            k_cache, k.astype(k_cache.dtype), cache_index, axis=1
+            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), cache_index, axis=3
         )
         v_cache = jax.lax.dynamic_update_slice_in_dim(
-            v_cache, v.astype(v_cache.dtype), cache_index, axis=1
+            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), cache_index, axis=2
         )
+        k_cache = sharding.constrain(k_cache, CACHE_K_AXES, mesh)
+        v_cache = sharding.constrain(v_cache, CACHE_V_AXES, mesh)
         k, v = k_cache.astype(dtype), v_cache.astype(dtype)
-    out = grouped_attention(q, k, v, mask_bts)
+    out = grouped_attention(q, k, v, mask_bts, cache_layout=k_cache is not None)
     x = x + proj(attn.o_proj, out)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 
@@ -275,7 +321,9 @@ def _decoder_layer(
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index):
     """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
-    ``cfg.scan_layers`` is False and there is no cache.
+    ``cfg.scan_layers`` is False. One-token decode (a cache and T = 1) always runs unrolled on
+    the per-layer caches: a scan would copy every layer's cache into its stacked output at every
+    step, where the unrolled loop updates one slot of each in place.
 
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
@@ -288,23 +336,34 @@ def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_
         x, k_l, v_l = _decoder_layer(layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh)
         return x, (k_l, v_l)
 
-    if cfg.remat:
+    if cfg.remat and k_cache is None:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    if cfg.scan_layers or k_cache is not None:
-        return jax.lax.scan(body, x, (stacked, k_cache, v_cache))
-    # Unrolled (``scan_layers=False``, no cache): the same body on static slices of the stack.
+    if k_cache is None:
+        if cfg.scan_layers:
+            return jax.lax.scan(body, x, (stacked, None, None))
+    elif cfg.scan_layers and x.shape[1] > 1:
+        # Prefill: scan over the caches stacked for the occasion (one copy per call).
+        x, (k_new, v_new) = jax.lax.scan(body, x, (stacked, jnp.stack(k_cache), jnp.stack(v_cache)))
+        return x, (tuple(k_new), tuple(v_new))
+    # Unrolled: the same body on static slices of the stack and each layer's own cache.
+    k_out, v_out = [], []
     for i in range(cfg.num_hidden_layers):
-        x, _ = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), None, None))
-    return x, (None, None)
+        kv = (None, None) if k_cache is None else (k_cache[i], v_cache[i])
+        x, (k_l, v_l) = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), *kv))
+        k_out.append(k_l)
+        v_out.append(v_l)
+    return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out))
 
 
 class Qwen2ForCausalLM(nnx.Module):
     """Qwen2 causal LM. ``model(input_ids, attention_mask, position_ids)`` -> logits [B, T, V].
 
-    With ``cache`` (a ``KVCache`` of S slots) and ``cache_index``, the T new tokens are written at
-    slots [cache_index, cache_index + T) and attend to slots ``s <= cache_index + t`` where
-    ``attention_mask`` [B, S] (the cache's valid-slot mask, new tokens included) is set; the call
-    then returns ``(logits, new_cache)``.
+    With ``cache`` (a ``KVCache`` of S slots, ``init_cache``) and ``cache_index``, the T new tokens
+    are written at slots [cache_index, cache_index + T) and attend to slots ``s <= cache_index + t``
+    where ``attention_mask`` [B, S] (the cache's valid-slot mask, new tokens included) is set; the
+    call then returns ``(logits, new_cache)``. The same call serves prefill (T prompt tokens) and
+    decode (T = 1, ``cache_index`` traced so every step reuses one program); it runs the same
+    layer function as the training forward.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh=None):

@@ -2,22 +2,23 @@
 
 Defines what goes into a rollout request (`SamplingParams`), what comes back (`Completion`) and the
 `Sampler` protocol that both the embedded `JaxSampler` and the HTTP `VLLMSampler` implement, plus
-helpers they share: prompt-major ordering checks and the Qwen3-style thinking budget.
+helpers they share: prompt-major ordering checks and the Qwen3-style thinking budget (the one
+implementation of it: both samplers run it on the host around their plain generation).
 
 Contract shared by every sampler:
 
-- `generate(prompt_token_ids, n, params)` returns a flat list of `len(prompt_token_ids) * n`
-  completions in PROMPT-MAJOR order: prompt 0's n samples first, then prompt 1's, ... so that
-  contiguous groups of n are what group-normalised advantages (GRPO) expect. Never a partial batch:
-  a sampler raises rather than return fewer completions.
+- `generate(prompt_token_ids, n, sampling_params)` returns a flat list of
+  `len(prompt_token_ids) * n` completions in PROMPT-MAJOR order: prompt 0's n samples first, then
+  prompt 1's, ... so that contiguous groups of n are what group-normalised advantages (GRPO)
+  expect. Never a partial batch: a sampler raises rather than return fewer completions.
 - `Completion.logprobs[i]` is the sampler's log-probability (float32 value) of `token_ids[i]` under
   the distribution it actually sampled from (after temperature / top-p / top-k), so that the trainer
   can compute truncated importance weights and report the sampler-trainer gap.
 - Tokens that a sampler appended without sampling them (the thinking-budget early-exit text) are
   flagged in `Completion.forced` and carry logprob 0.0; the trainer should mask them out of the
   policy-gradient loss (they are not actions of the policy).
-- `update_weights(params, version=...)` moves the sampler to the trainer's new parameters (the Flax
-  NNX `State` from `nnx.split(model, nnx.Param, ...)`) and returns timings in seconds.
+- `update_weights(weights, version=...)` moves the sampler to the trainer's new weights (the Flax
+  NNX `State` of `nnx.Param`, as `nnx.state(model, nnx.Param)`) and returns timings in seconds.
 
 Left out on purpose: batching, bucketing and transport, which belong to each implementation.
 """
@@ -55,7 +56,6 @@ class SamplingParams:
         stop token itself is kept in `token_ids`.
       stop: stop strings; generation ends when the text contains one (the string is not kept).
       seed: makes sampling reproducible when set.
-      n: default number of samples per prompt (``generate``'s `n` argument takes precedence).
       logprobs: return per-token logprobs of the sampled tokens.
       ignore_eos: keep generating past EOS (benchmarks).
       thinking_budget: when set, a completion that has generated this many tokens without closing
@@ -70,7 +70,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    n: int = 1
     logprobs: bool = True
     ignore_eos: bool = False
     thinking_budget: int | None = None
@@ -96,8 +95,6 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if not (isinstance(self.n, int) and self.n >= 1):
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.thinking_budget is not None and not (
             isinstance(self.thinking_budget, int) and 1 <= self.thinking_budget < self.max_tokens
         ):
@@ -162,13 +159,16 @@ class Sampler(Protocol):
     """What the training loop needs from a rollout engine."""
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: SamplingParams,
     ) -> list[Completion]:
         """Samples `n` completions per prompt; flat, prompt-major, never partial."""
         ...
 
-    def update_weights(self, params: Any, *, version: int | None = None) -> dict[str, float]:
-        """Moves to new parameters (an NNX `State` of `nnx.Param`); returns timings in seconds."""
+    def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
+        """Moves to new weights (an NNX `State` of `nnx.Param`); returns timings in seconds."""
         ...
 
     def close(self) -> None:
@@ -194,36 +194,38 @@ def generate_with_thinking_budget(
     generate_segment: Callable[[list[list[int]], int, SamplingParams], list[Completion]],
     prompt_token_ids: Sequence[Sequence[int]],
     n: int,
-    params: SamplingParams,
+    sampling_params: SamplingParams,
     tokenizer: Any,
 ) -> list[Completion]:
     """Runs `generate_segment` under a thinking budget (Qwen3's early exit).
 
-    First every sample generates up to `params.thinking_budget` tokens. A sample that ran into the
+    First every sample generates up to `thinking_budget` tokens. A sample that ran into the
     budget is continued from prompt + its tokens with the remaining `max_tokens`; if its text has
-    not closed ``</think>`` yet, the token ids of `params.thinking_end_text` are appended first, as
-    forced tokens (logprob 0.0, `forced` True). When the forced text does not fit, it is cut and the
-    completion ends with "length".
+    not closed ``</think>`` yet, the token ids of `thinking_end_text` are appended first, as
+    forced tokens (logprob 0.0, `forced` True). When the forced text does not fit, it is cut and
+    the completion ends with "length". (`sampling_params` fields.)
 
     Args:
       generate_segment: a sampler's plain generation (no thinking budget), prompt-major.
       prompt_token_ids: B prompts.
       n: samples per prompt.
-      params: must have `thinking_budget` set.
+      sampling_params: must have `thinking_budget` set.
       tokenizer: Hugging Face style, with `encode(text, add_special_tokens=False)`.
 
     Returns:
       B * n completions, prompt-major.
     """
-    budget = params.thinking_budget
+    budget = sampling_params.thinking_budget
     if budget is None:
-        raise ValueError("generate_with_thinking_budget needs params.thinking_budget to be set")
+        raise ValueError(
+            "generate_with_thinking_budget needs sampling_params.thinking_budget to be set"
+        )
     prompts = [list(p) for p in prompt_token_ids]
     first = generate_segment(
-        prompts, n, dataclasses.replace(params, max_tokens=budget, thinking_budget=None)
+        prompts, n, dataclasses.replace(sampling_params, max_tokens=budget, thinking_budget=None)
     )
     check_prompt_major(first, len(prompts), n)
-    forced_ids = list(tokenizer.encode(params.thinking_end_text, add_special_tokens=False))
+    forced_ids = list(tokenizer.encode(sampling_params.thinking_end_text, add_special_tokens=False))
     close_ids = list(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
 
     out: list[Completion | None] = [None] * len(first)
@@ -234,27 +236,27 @@ def generate_with_thinking_budget(
             out[slot] = c
             continue
         add = [] if thinking_closed(c, close_ids) else forced_ids
-        room = params.max_tokens - len(c.token_ids)
+        room = sampling_params.max_tokens - len(c.token_ids)
         if len(add) >= room:
             add = add[:room]
-            out[slot] = _join(c, add, None, tokenizer, params.logprobs)
+            out[slot] = _join(c, add, None, tokenizer, sampling_params.logprobs)
             continue
         todo.setdefault(room - len(add), []).append((slot, prompts[c.prompt_index], add))
 
     for k, (room, items) in enumerate(sorted(todo.items())):
         seg_params = dataclasses.replace(
-            params,
+            sampling_params,
             max_tokens=room,
             thinking_budget=None,
             # A distinct seed per continuation batch keeps reruns reproducible without reusing
             # the first segment's random stream.
-            seed=None if params.seed is None else params.seed + 1 + k,
+            seed=None if sampling_params.seed is None else sampling_params.seed + 1 + k,
         )
         cont_prompts = [p + first[slot].token_ids + add for slot, p, add in items]
         rest = generate_segment(cont_prompts, 1, seg_params)
         check_prompt_major(rest, len(cont_prompts), 1)
         for (slot, _, add), r in zip(items, rest, strict=True):
-            out[slot] = _join(first[slot], add, r, tokenizer, params.logprobs)
+            out[slot] = _join(first[slot], add, r, tokenizer, sampling_params.logprobs)
     assert all(c is not None for c in out)
     return out  # type: ignore[return-value]
 

@@ -4,23 +4,25 @@ One `generate` call is one compiled program:
 
 1. The B * n rows (prompt-major: prompt 0's n samples first) are LEFT-padded to a prompt-length
    bucket P with explicit position ids, so every row writes the same cache slot at each step.
-2. Prefill of all P slots at once; only the last position goes through the vocabulary projection.
-3. A ``lax.while_loop`` of one-token decode steps over a KV cache of P + G slots (G the
-   generation bucket). It stops as soon as every row has finished (EOS / stop id) or reached
-   ``max_tokens``. Each step writes one cache slot; the valid-slot mask never changes because the
-   model's causal mask (by slot index) already hides the slots not yet written.
+2. Prefill of all P slots at once into the model's KV cache (``qwen2.init_cache``) of P + G
+   slots (G the generation bucket); only the last position goes through the vocabulary projection.
+3. A ``lax.while_loop`` of one-token decode steps, each a call of the model itself with the cache
+   (the same decoder-layer function as training and prefill, `qwen2.Qwen2ForCausalLM`). It stops
+   as soon as every row has finished (EOS / stop id) or reached ``max_tokens``. Each step writes
+   one cache slot; the valid-slot mask never changes because the model's causal mask (by slot
+   index) already hides the slots not yet written.
 4. Host side: trim each row at its length, decode text, cut at stop strings.
 
 Batch size, prompt length and generation length are rounded up to buckets, and the static
-sampling choices (greedy, top-k size, top-p on/off, thinking budget on/off) are part of the jit
-key, so calls that land in the same buckets reuse the compiled program (`num_traces` counts
-traces). With a mesh, rows are sharded over ('data', 'fsdp') and the cache's kv heads over
-'tensor', the parameters keep their own shardings: the sampler runs on the trainer's mesh.
+sampling choices (greedy, top-k size, top-p on/off) are part of the jit key, so calls that land
+in the same buckets reuse the compiled program (`num_traces` counts traces). With a mesh, rows
+are sharded over ('data', 'fsdp') and the cache's kv heads over 'tensor', the parameters keep
+their own shardings: the sampler runs on the trainer's mesh.
 
-The thinking budget (Qwen3's early exit) runs inside the loop: at step `thinking_budget`, rows
-that have not produced the token ids of ``</think>`` get the ids of `thinking_end_text` forced
-one per step (logprob 0.0, flagged in `Completion.forced`). Closure is detected on token ids (the
-tokenizer's encoding of ``</think>``), not on detokenised text.
+The thinking budget (Qwen3's early exit) is `base.generate_with_thinking_budget`, the one
+implementation that every sampler shares: a first call up to the budget, then one continuation
+call for the rows that ran into it, with the early-exit text forced in (logprob 0.0, flagged in
+`Completion.forced`).
 
 Logprobs: see `sample_ops` (``logprobs_mode``). By default they refer to the distribution the token
 was drawn from (temperature-scaled, top-k/top-p filtered), as vLLM's ``processed_logprobs`` and
@@ -45,7 +47,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrlvr import model as M
-from jaxrlvr.model import qwen2, sharding
 from jaxrlvr.sampling import base, sample_ops
 
 DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024)
@@ -95,7 +96,6 @@ class _Static:
     top_k: int
     use_top_p: bool
     logprobs_mode: sample_ops.LogprobsMode
-    thinking: bool
 
 
 @dataclasses.dataclass
@@ -103,16 +103,13 @@ class _Loop:
     """The decode loop's carry (a pytree via `jax.tree_util.register_dataclass`)."""
 
     t: jax.Array  # index of the next token to emit
-    ks: tuple  # per layer, keys [B, K, H, S]
-    vs: tuple  # per layer, values [B, K, S, H]
+    cache: M.KVCache
     token_b: jax.Array  # last emitted token
     tokens_bg: jax.Array
     logp_bg: jax.Array
     done_b: jax.Array
     length_b: jax.Array
     stopped_b: jax.Array  # finished on a stop id (finish_reason "stop")
-    forcing_b: jax.Array  # thinking budget ran out without </think>: forced text follows
-    closed_b: jax.Array  # </think> seen
 
 
 jax.tree_util.register_dataclass(
@@ -123,7 +120,7 @@ jax.tree_util.register_dataclass(
 
 
 def _emit(st: _Loop, logits_bv, key, inputs: dict, s: _Static) -> _Loop:
-    """Samples (or forces) token `st.t` of every row and updates the finish bookkeeping."""
+    """Samples token `st.t` of every row and updates the finish bookkeeping."""
     t = st.t
     token, logp = sample_ops.sample(
         logits_bv,
@@ -135,24 +132,10 @@ def _emit(st: _Loop, logits_bv, key, inputs: dict, s: _Static) -> _Loop:
         use_top_p=s.use_top_p,
         logprobs_mode=s.logprobs_mode,
     )
-    forcing, closed = st.forcing_b, st.closed_b
-    in_force = jnp.zeros_like(st.done_b)
-    if s.thinking:
-        forced_ids, close_ids, budget = inputs["forced_ids"], inputs["close_ids"], inputs["budget"]
-        forcing = jnp.where(t == budget, ~closed & ~st.done_b, forcing)
-        f = t - budget
-        in_force = forcing & (f >= 0) & (f < forced_ids.shape[0])
-        forced_tok = forced_ids[jnp.clip(f, 0, forced_ids.shape[0] - 1)]
-        token = jnp.where(in_force, forced_tok, token)
-        logp = jnp.where(in_force, 0.0, logp)
     tokens_bg = jax.lax.dynamic_update_slice_in_dim(st.tokens_bg, token[:, None], t, axis=1)
     logp_bg = jax.lax.dynamic_update_slice_in_dim(st.logp_bg, logp[:, None], t, axis=1)
-    if s.thinking:
-        c = close_ids.shape[0]
-        window = jax.lax.dynamic_slice_in_dim(tokens_bg, jnp.maximum(t - c + 1, 0), c, axis=1)
-        closed = closed | ((t >= c - 1) & jnp.all(window == close_ids[None, :], axis=-1))
     is_stop = jnp.any(token[:, None] == inputs["stop_ids"][None, :], axis=-1)
-    is_stop = is_stop & ~in_force & ~st.done_b
+    is_stop = is_stop & ~st.done_b
     done = st.done_b | is_stop | (t + 1 >= inputs["max_new"])
     length = jnp.where(done & ~st.done_b, t + 1, st.length_b)
     return dataclasses.replace(
@@ -164,102 +147,7 @@ def _emit(st: _Loop, logits_bv, key, inputs: dict, s: _Static) -> _Loop:
         done_b=done,
         length_b=length,
         stopped_b=st.stopped_b | is_stop,
-        forcing_b=forcing,
-        closed_b=closed,
     )
-
-
-def _cache_specs(shape_k, shape_v, mesh):
-    """Shardings of one layer's decode cache: k [B, K, H, S], v [B, K, S, H]."""
-    k_axes = ("batch", "kv_heads", "head_dim", "seq")
-    v_axes = ("batch", "kv_heads", "seq", "head_dim")
-    return (
-        NamedSharding(mesh, M.logical_to_pspec(k_axes, shape_k, mesh)),
-        NamedSharding(mesh, M.logical_to_pspec(v_axes, shape_v, mesh)),
-    )
-
-
-def _rms(x, weight, eps, dtype):
-    """The model's RMSNorm (float32 statistics, weight applied in the compute dtype)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.astype(dtype) * x32.astype(dtype)
-
-
-def _proj(p, spec, y, dtype):
-    out = jnp.einsum(spec, y, p["kernel"].astype(dtype))
-    return out if "bias" not in p else out + p["bias"].astype(dtype)
-
-
-def decode_layer(cfg: M.ModelConfig, p, x_bd, cos, sin, attend_bs, k_bkhs, v_bksh, slot, mesh):
-    """One decoder layer for one new token per row, reading and writing a decode cache.
-
-    The math is the model's (`qwen2._decoder_layer`); only the attention differs in form. With
-    one query per row, attention is a matrix-vector product per (row, kv head), which XLA's CPU
-    backend runs far faster as a fused multiply-reduce than as ~B*K tiny batched matmuls, and the
-    cache layouts k [B, K, H, S] / v [B, K, S, H] keep the contiguous axis the one that is NOT
-    reduced in each product, so both reductions vectorise.
-
-    Args:
-      p: one layer's parameters (pure dict, unstacked).
-      x_bd: [B, D] hidden states; cos/sin [B, 1, H] rotary tables of the new positions.
-      attend_bs: [B, S] bool, slots this token attends to (its own slot included).
-      k_bkhs, v_bksh: this layer's cache; the new key/value are written at `slot`.
-    """
-    dtype = cfg.compute_dtype
-    a, m = p["self_attn"], p["mlp"]
-    b, kh, hd = x_bd.shape[0], cfg.num_key_value_heads, cfg.head_dim
-    h = _rms(x_bd, p["input_layernorm"]["weight"], cfg.rms_norm_eps, dtype)
-    q = qwen2.apply_rotary(_proj(a["q_proj"], "BD,DNH->BNH", h, dtype)[:, None], cos, sin)[:, 0]
-    k = qwen2.apply_rotary(_proj(a["k_proj"], "BD,DKH->BKH", h, dtype)[:, None], cos, sin)[:, 0]
-    v = _proj(a["v_proj"], "BD,DKH->BKH", h, dtype)
-    k_bkhs = jax.lax.dynamic_update_slice_in_dim(
-        k_bkhs, k[..., None].astype(k_bkhs.dtype), slot, axis=3
-    )
-    v_bksh = jax.lax.dynamic_update_slice_in_dim(
-        v_bksh, v[:, :, None].astype(v_bksh.dtype), slot, axis=2
-    )
-    q = q.reshape(b, kh, cfg.num_groups, hd).astype(jnp.float32)
-    # scores [B, K, G, S] = sum_H q * k, reducing over the middle axis of k [B, K, H, S].
-    scores = jnp.sum(q[..., None] * k_bkhs[:, :, None].astype(jnp.float32), axis=3)
-    scores = scores * (hd**-0.5)
-    scores = jnp.where(attend_bs[:, None, None, :], scores, qwen2._MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # out [B, K, G, H] = sum_S probs * v, reducing over the middle axis of v [B, K, S, H].
-    out = jnp.sum(probs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)
-    out = out.reshape(b, cfg.num_attention_heads, hd).astype(dtype)
-    x_bd = x_bd + jnp.einsum("BNH,NHD->BD", out, a["o_proj"]["kernel"].astype(dtype))
-    x_bd = sharding.constrain(x_bd, ("batch", "embed"), mesh)
-    h = _rms(x_bd, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, dtype)
-    gate = jnp.einsum("BD,DF->BF", h, m["gate_proj"]["kernel"].astype(dtype))
-    up = jnp.einsum("BD,DF->BF", h, m["up_proj"]["kernel"].astype(dtype))
-    act = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "mlp"), mesh)
-    x_bd = x_bd + jnp.einsum("BF,FD->BD", act, m["down_proj"]["kernel"].astype(dtype))
-    x_bd = sharding.constrain(x_bd, ("batch", "embed"), mesh)
-    return x_bd, k_bkhs, v_bksh
-
-
-def decode_step(cfg, mesh, p, layers, token_b, pos_b, slot, attend_bs, ks, vs):
-    """Logits [B, V] float32 of the next token after `token_b` (at positions `pos_b`, written
-    at cache `slot`), and the updated per-layer caches."""
-    dtype = cfg.compute_dtype
-    x = jnp.take(p["model"]["embed_tokens"]["embedding"], token_b, axis=0).astype(dtype)
-    x = sharding.constrain(x, ("batch", "embed"), mesh)
-    cos, sin = qwen2.rotary_tables(pos_b[:, None], cfg.head_dim, cfg.rope_theta)
-    new_ks, new_vs = [], []
-    for layer, k, v in zip(layers, ks, vs):
-        x, k, v = decode_layer(cfg, layer, x, cos, sin, attend_bs, k, v, slot, mesh)
-        new_ks.append(k)
-        new_vs.append(v)
-    x = _rms(x, p["model"]["norm"]["weight"], cfg.rms_norm_eps, dtype)
-    if cfg.tie_word_embeddings:
-        w = p["model"]["embed_tokens"]["embedding"].astype(dtype)
-        logits = jnp.einsum("BD,VD->BV", x, w, preferred_element_type=jnp.float32)
-    else:
-        w = p["lm_head"]["kernel"].astype(dtype)
-        logits = jnp.einsum("BD,DV->BV", x, w, preferred_element_type=jnp.float32)
-    logits = sharding.constrain(logits.astype(jnp.float32), ("batch", "vocab"), mesh)
-    return logits, tuple(new_ks), tuple(new_vs)
 
 
 def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh, s: _Static):
@@ -269,59 +157,34 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
       graphdef, params: the split model (`nnx.split(model, nnx.Param)`).
       inputs: ``prompt_ids``/``prompt_pos`` [B, P] int32, ``prompt_valid`` [B, P] bool,
         ``row_valid`` [B] bool (False for batch padding), ``max_new`` int32 (<= G), ``key``,
-        ``temperature``/``top_p`` float32, ``stop_ids`` [Ns] int32 (padded with -1); with a
-        thinking budget also ``budget`` int32, ``forced_ids`` [F] and ``close_ids`` [C] int32.
+        ``temperature``/``top_p`` float32, ``stop_ids`` [Ns] int32 (padded with -1).
       s: the static choices (`_Static`).
 
     Returns:
-      tokens [B, G] int32, logprobs [B, G] float32, lengths [B] int32, stopped [B] bool,
-      forcing [B] bool (whether the row got the forced thinking-end text from step ``budget``).
+      tokens [B, G] int32, logprobs [B, G] float32, lengths [B] int32, stopped [B] bool.
     """
     lm = nnx.merge(graphdef, params)
     ids, pos, pvalid = inputs["prompt_ids"], inputs["prompt_pos"], inputs["prompt_valid"]
     b, p = ids.shape
     g = s.gen_len
-    total = p + g
-    # Prefill with the model itself (its own [L, B, P, K, H] cache), logits of the last position.
-    cache = M.init_cache(cfg, b, p)
-    hidden, cache = lm.backbone(ids, pvalid, pos, cache=cache, cache_index=0)
-    logits = lm.lm_logits(hidden[:, -1:])[:, 0]
-
-    # Decode caches, one per layer, in the layouts `decode_layer` reads fastest.
-    pad = ((0, 0), (0, 0), (0, 0), (0, g))
-    ks = tuple(jnp.pad(cache.k[i].transpose(0, 2, 3, 1), pad) for i in range(cfg.num_hidden_layers))
-    vs = tuple(
-        jnp.pad(cache.v[i].transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, g), (0, 0)))
-        for i in range(cfg.num_hidden_layers)
-    )
-    if mesh is not None:
-        k_spec, v_spec = _cache_specs(ks[0].shape, vs[0].shape, mesh)
-        ks = tuple(jax.lax.with_sharding_constraint(k, k_spec) for k in ks)
-        vs = tuple(jax.lax.with_sharding_constraint(v, v_spec) for v in vs)
-    pure = nnx.to_pure_dict(params)
-    # Per-layer parameter slices, taken once outside the loop.
-    layers = [
-        jax.tree.map(lambda w, i=i: w[i], pure["model"]["layers"])
-        for i in range(cfg.num_hidden_layers)
-    ]
     # Slots after the prompt are all valid; causality (slot <= current) hides the unwritten ones.
     valid_bs = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
-    slots = jnp.arange(total)
+    # Prefill: the prompt fills slots [0, P) of a P + G slot cache; logits of the last position.
+    cache = M.init_cache(cfg, b, p + g)
+    hidden, cache = lm.backbone(ids, valid_bs, pos, cache=cache, cache_index=0)
+    logits = lm.lm_logits(hidden[:, -1:])[:, 0]
     next_pos = pos[:, -1] + 1  # position of the first generated token
 
     done0 = ~inputs["row_valid"]
     st = _Loop(
         t=jnp.zeros((), jnp.int32),
-        ks=ks,
-        vs=vs,
+        cache=cache,
         token_b=jnp.zeros((b,), jnp.int32),
         tokens_bg=jnp.zeros((b, g), jnp.int32),
         logp_bg=jnp.zeros((b, g), jnp.float32),
         done_b=done0,
         length_b=jnp.zeros((b,), jnp.int32),
         stopped_b=jnp.zeros((b,), bool),
-        forcing_b=jnp.zeros((b,), bool),
-        closed_b=jnp.zeros((b,), bool),
     )
     key = inputs["key"]
     st = _emit(st, logits, key, inputs, s)
@@ -331,15 +194,18 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
 
     def body(st: _Loop):
         prev = st.t - 1  # the token being fed sits at slot p + prev
-        slot = p + prev
-        attend = valid_bs & (slots <= slot)[None, :]
-        logits, ks, vs = decode_step(
-            cfg, mesh, pure, layers, st.token_b, next_pos + prev, slot, attend, st.ks, st.vs
+        hidden, cache = lm.backbone(
+            st.token_b[:, None],
+            valid_bs,
+            (next_pos + prev)[:, None],
+            cache=st.cache,
+            cache_index=p + prev,
         )
-        return _emit(dataclasses.replace(st, ks=ks, vs=vs), logits, key, inputs, s)
+        logits = lm.lm_logits(hidden)[:, 0]
+        return _emit(dataclasses.replace(st, cache=cache), logits, key, inputs, s)
 
     st = jax.lax.while_loop(cond, body, st)
-    return st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b, st.forcing_b
+    return st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b
 
 
 _TRACES = [0]
@@ -364,11 +230,12 @@ class JaxSampler:
     """Embedded sampler on JAX (see the module docstring); implements `base.Sampler`.
 
     Args:
-      cfg: the model config (its compute dtype is used for the forward and the cache).
-      params_or_model: a `Qwen2ForCausalLM` or its parameters (`nnx.split(model, nnx.Param)[1]`).
+      model: a `Qwen2ForCausalLM`; its config (compute dtype: forward and cache) and its current
+        parameters are taken. Later weights come through `update_weights`.
       tokenizer: a Hugging Face tokenizer or a directory to load one from; needed for text, stop
         strings and the thinking budget (without one, `Completion.text` is empty).
-      mesh: the trainer's ('data', 'fsdp', 'tensor') mesh; None runs on the default device.
+      mesh: the ('data', 'fsdp', 'tensor') mesh to run on; None takes the model's own
+        (``model.mesh``; None there too runs on the default device).
       eos_token_ids: ids that end a completion (unless `ignore_eos`); None takes the tokenizer's
         EOS, else the checkpoint config's ``eos_token_id``.
       prompt_buckets, gen_buckets, batch_buckets: the sizes that padded shapes are rounded up to.
@@ -378,8 +245,7 @@ class JaxSampler:
 
     def __init__(
         self,
-        cfg: M.ModelConfig,
-        params_or_model: Any,
+        model: M.Qwen2ForCausalLM,
         tokenizer: Any = None,
         *,
         mesh=None,
@@ -397,6 +263,10 @@ class JaxSampler:
         ):
             if not bs or not all(isinstance(x, int) and x >= 1 for x in bs):
                 raise ValueError(f"{name} must be a non-empty sequence of ints >= 1, got {bs!r}")
+        if not isinstance(model, M.Qwen2ForCausalLM):
+            raise TypeError(f"model must be a Qwen2ForCausalLM, got {type(model).__name__}")
+        cfg = model.config
+        mesh = model.mesh if mesh is None else mesh
         self.cfg = cfg
         self.mesh = mesh
         self.prompt_buckets = tuple(sorted(prompt_buckets))
@@ -422,25 +292,23 @@ class JaxSampler:
         self._params = None
         self.version: int | None = None
         self._seed_counter = 0
-        self.update_weights(params_or_model)
+        self.update_weights(nnx.state(model, nnx.Param))
 
     # ------------------------------------------------------------------------------------------
     # Sampler protocol
 
-    def update_weights(self, params: Any, *, version: int | None = None) -> dict[str, float]:
-        """Swaps in new parameters (an `nnx.State` of `nnx.Param`, or a model); no copy unless
-        they must move to this sampler's shardings. Returns ``{"update_s": seconds}``."""
+    def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
+        """Swaps in new weights (an `nnx.State` of `nnx.Param`, as `nnx.state(model, nnx.Param)`);
+        no copy unless they must move to this sampler's shardings. Returns ``{"update_s": s}``."""
         start = time.perf_counter()
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
-        if jax.tree.structure(params) != self._treedef:
+        if jax.tree.structure(weights) != self._treedef:
             raise ValueError(
-                "update_weights: parameter tree does not match the sampler's model config "
-                f"({jax.tree.structure(params)} vs {self._treedef})"
+                "update_weights: weights tree does not match the sampler's model config "
+                f"({jax.tree.structure(weights)} vs {self._treedef})"
             )
         if self.mesh is not None:
-            params = jax.device_put(params, M.param_shardings(params, self.mesh))
-        self._params = params
+            weights = jax.device_put(weights, M.param_shardings(weights, self.mesh))
+        self._params = weights
         self.version = version
         return {"update_s": time.perf_counter() - start}
 
@@ -448,7 +316,10 @@ class JaxSampler:
         self._params = None
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: base.SamplingParams,
     ) -> list[base.Completion]:
         """`n` completions per prompt, flat and prompt-major (see `base.Sampler`)."""
         if self._params is None:
@@ -460,39 +331,43 @@ class JaxSampler:
             return []
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if (params.stop or params.thinking_budget is not None) and self.tokenizer is None:
+        if (
+            sampling_params.stop or sampling_params.thinking_budget is not None
+        ) and self.tokenizer is None:
             raise ValueError("stop strings and thinking_budget need a tokenizer")
-        rows = [p for p in prompts for _ in range(n)]
-        tokens, logps, lengths, stopped, forcing, budget, num_forced = self._run(rows, params)
+        if sampling_params.thinking_budget is not None:
+            return base.generate_with_thinking_budget(
+                self._generate_plain, prompts, n, sampling_params, self.tokenizer
+            )
+        return self._generate_plain(prompts, n, sampling_params)
 
+    # ------------------------------------------------------------------------------------------
+    # Internals
+
+    def _generate_plain(
+        self, prompts: list[list[int]], n: int, sampling_params: base.SamplingParams
+    ) -> list[base.Completion]:
+        """`generate` without a thinking budget, on validated prompts."""
+        rows = [p for p in prompts for _ in range(n)]
+        tokens, logps, lengths, stopped = self._run(rows, sampling_params)
+        stops = sampling_params.stop
         out = []
         for r in range(len(rows)):
             length = int(lengths[r])
             ids = tokens[r, :length].tolist()
-            lp = logps[r, :length].tolist() if params.logprobs else []
-            forced = None
-            if forcing[r] and length > budget:
-                forced = [budget <= i < budget + num_forced for i in range(length)]
+            lp = logps[r, :length].tolist() if sampling_params.logprobs else []
             reason = "stop" if stopped[r] else "length"
             text = self._decode(ids)
-            if params.stop:
-                ids, lp, forced, text, hit = self._cut_at_stop(ids, lp, forced, text, params.stop)
+            if stops:
+                ids, lp, text, hit = self._cut_at_stop(ids, lp, text, stops)
                 reason = "stop" if hit else reason
             out.append(
                 base.Completion(
-                    prompt_index=r // n,
-                    token_ids=ids,
-                    logprobs=lp,
-                    text=text,
-                    finish_reason=reason,
-                    forced=forced,
+                    prompt_index=r // n, token_ids=ids, logprobs=lp, text=text, finish_reason=reason
                 )
             )
         base.check_prompt_major(out, len(prompts), n)
         return out
-
-    # ------------------------------------------------------------------------------------------
-    # Internals
 
     @property
     def batch_multiple(self) -> int:
@@ -502,6 +377,7 @@ class JaxSampler:
         return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
     def _run(self, rows: list[list[int]], params: base.SamplingParams):
+        """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy)."""
         b = bucket(len(rows), self.batch_buckets, multiple_of=self.batch_multiple)
         p = bucket(max(len(r) for r in rows), self.prompt_buckets)
         g = bucket(params.max_tokens, self.gen_buckets)
@@ -527,31 +403,18 @@ class JaxSampler:
             top_p=np.float32(params.top_p),
             stop_ids=stop_ids,
         )
-        thinking = params.thinking_budget is not None
-        budget, num_forced = -1, 0
-        if thinking:
-            forced_ids = self.tokenizer.encode(params.thinking_end_text, add_special_tokens=False)
-            close_ids = self.tokenizer.encode(base.THINK_CLOSE, add_special_tokens=False)
-            budget, num_forced = params.thinking_budget, len(forced_ids)
-            inputs.update(
-                budget=np.int32(budget),
-                forced_ids=np.asarray(forced_ids, np.int32),
-                close_ids=np.asarray(close_ids, np.int32),
-            )
         s = _Static(
             gen_len=g,
             greedy=params.greedy,
             top_k=params.top_k if params.top_k < self.cfg.vocab_size else 0,
             use_top_p=params.top_p < 1.0,
             logprobs_mode=self.logprobs_mode,
-            thinking=thinking,
         )
         inputs = self._place(inputs)
         outs = _generate_jit(
             self._params, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
         )
-        outs = jax.device_get(outs)
-        return (*outs, budget, num_forced)
+        return jax.device_get(outs)
 
     def _place(self, inputs: dict) -> dict:
         """Puts batch-leading arrays on the mesh's batch axes, the rest replicated."""
@@ -572,12 +435,12 @@ class JaxSampler:
         # Special tokens are dropped from the text, as vLLM does by default.
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _cut_at_stop(self, ids, lp, forced, text, stops):
+    def _cut_at_stop(self, ids, lp, text, stops):
         """Cuts at the first stop string: text ends before it; tokens end with the token that
         completes it (the shortest prefix whose text contains a stop string)."""
         hits = [(text.find(x), x) for x in stops if x in text]
         if not hits:
-            return ids, lp, forced, text, False
+            return ids, lp, text, False
 
         def has_stop(k: int) -> bool:
             t = self._decode(ids[:k])
@@ -592,5 +455,4 @@ class JaxSampler:
                 lo = mid + 1
         cut_text = self._decode(ids[:lo])
         first = min(cut_text.find(x) for x in stops if x in cut_text)
-        forced = forced[:lo] if forced is not None else None
-        return ids[:lo], lp[:lo], forced, cut_text[:first], True
+        return ids[:lo], lp[:lo], cut_text[:first], True

@@ -266,16 +266,19 @@ class VLLMSampler:
     # ---------------------------------------------------------------- generation
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: base.SamplingParams,
     ) -> list[base.Completion]:
         """`n` completions per prompt, flat and prompt-major; raises rather than return fewer."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if params.thinking_budget is not None:
+        if sampling_params.thinking_budget is not None:
             return base.generate_with_thinking_budget(
-                self._generate_plain, prompt_token_ids, n, params, self.tokenizer
+                self._generate_plain, prompt_token_ids, n, sampling_params, self.tokenizer
             )
-        return self._generate_plain(prompt_token_ids, n, params)
+        return self._generate_plain(prompt_token_ids, n, sampling_params)
 
     def _generate_plain(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams
@@ -372,8 +375,8 @@ class VLLMSampler:
             raise VLLMError(f"POST {t.url}{path} -> HTTP {r.status_code}: {r.text[:500]}")
         return r
 
-    def update_weights(self, params: Any, *, version: int | None = None) -> dict[str, float]:
-        """Exports `params` and makes every server serve them; returns timings in seconds.
+    def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
+        """Exports `weights` and makes every server serve them; returns timings in seconds.
 
         Keys: export_s, pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for each
         part) and total_s. Pausing overlaps the export, so total_s can be less than the sum.
@@ -387,7 +390,7 @@ class VLLMSampler:
         # Pausing waits for in-flight requests to finish: let it happen while the export runs.
         pauses = [self._pool.submit(self._pause_one, t) for t in self._targets]
         try:
-            timings = weight_export.export_weights(self.cfg, params, self.export_dir)
+            timings = weight_export.export_weights(self.cfg, weights, self.export_dir)
         except BaseException:
             concurrent.futures.wait(pauses)
             for t in self._targets:  # best effort: keep serving the old weights

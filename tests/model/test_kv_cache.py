@@ -47,13 +47,10 @@ def decode_logits(lm, ids, lengths, total_prompt):
     step = functools.partial(_step, graphdef)
     traces_before = len(TRACES)
     cache = M.init_cache(lm.config, b, SLOTS)
-    assert cache.k.shape == (
-        lm.config.num_hidden_layers,
-        b,
-        SLOTS,
-        lm.config.num_key_value_heads,
-        lm.config.head_dim,
-    )
+    cfg = lm.config
+    assert len(cache.k) == len(cache.v) == cfg.num_hidden_layers
+    kh, hd = cfg.num_key_value_heads, cfg.head_dim
+    assert cache.k[0].shape == (b, kh, hd, SLOTS) and cache.v[0].shape == (b, kh, SLOTS, hd)
     valid[:, :total_prompt] = mask.astype(bool)
     logits, cache = step(
         params,
@@ -105,16 +102,32 @@ def test_cache_is_written_at_cache_index(lm):
     cache = M.init_cache(lm.config, 1, SLOTS)
     valid = jnp.zeros((1, SLOTS), bool).at[:, 4:7].set(True)
     _, new = lm(ids, valid, jnp.arange(3)[None], cache=cache, cache_index=4)
-    k = np.asarray(new.k)
-    assert np.abs(k[:, :, 4:7]).min() > 0
-    assert not k[:, :, :4].any() and not k[:, :, 7:].any()
+    k = np.stack(new.k)  # [L, B, K, H, S]
+    v = np.stack(new.v)  # [L, B, K, S, H]
+    assert np.abs(k[..., 4:7]).min() > 0 and np.abs(v[..., 4:7, :]).min() > 0
+    assert not k[..., :4].any() and not k[..., 7:].any()
+    assert not v[..., :4, :].any() and not v[..., 7:, :].any()
     # Keys of the first tokens equal those the full prefix would write at slot 0.
     _, ref = lm(ids, jnp.zeros((1, SLOTS), bool).at[:, :3].set(True), cache=cache, cache_index=0)
-    np.testing.assert_allclose(k[:, :, 4:7], np.asarray(ref.k)[:, :, :3], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(k[..., 4:7], np.stack(ref.k)[..., :3], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(v[..., 4:7, :], np.stack(ref.v)[..., :3, :], atol=1e-6, rtol=0)
 
 
 def test_bfloat16_cache_dtype(hf_untied):
     lm16 = M.load_hf(hf_untied.path, dtype="bfloat16")
     cache = M.init_cache(lm16.config, 1, 8)
-    assert cache.k.dtype == jnp.bfloat16
-    assert M.init_cache(lm16.config, 1, 8, dtype=jnp.float32).k.dtype == jnp.float32
+    assert all(a.dtype == jnp.bfloat16 for a in cache.k + cache.v)
+    assert M.init_cache(lm16.config, 1, 8, dtype=jnp.float32).k[0].dtype == jnp.float32
+
+
+def test_unrolled_layers_cache_equals_full_forward(hf_untied):
+    # scan_layers=False: prefill runs the layers unrolled too (decode always does).
+    lm = M.load_hf(hf_untied.path, scan_layers=False)
+    ids = helpers.random_ids(2, PROMPT + STEPS, seed=34)
+    stepped, _, _ = decode_logits(lm, ids, [PROMPT, 4], PROMPT)
+    mask, _ = helpers.left_padded([PROMPT, 4], PROMPT)
+    full_mask = np.concatenate([mask, np.ones((2, STEPS), np.int32)], axis=1)
+    positions = np.clip(np.cumsum(full_mask, axis=1) - 1, 0, None).astype(np.int32)
+    full = helpers.forward(lm, ids, full_mask, positions)
+    real = full_mask.astype(bool)
+    np.testing.assert_allclose(stepped[real], full[real], atol=ATOL, rtol=0)

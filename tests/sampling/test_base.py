@@ -19,7 +19,6 @@ from jaxrlvr.sampling import base
         ({"stop_token_ids": (-3,)}, "stop_token_ids"),
         ({"stop": ("",)}, "stop"),
         ({"seed": 1.5}, "seed"),
-        ({"n": 0}, "n"),
         ({"thinking_budget": 0}, "thinking_budget"),
         ({"thinking_budget": 128, "max_tokens": 128}, "thinking_budget"),
         ({"thinking_end_text": "no closing tag"}, "thinking_end_text"),
@@ -34,7 +33,8 @@ def test_sampling_params_defaults_and_normalisation():
     p = base.SamplingParams(stop_token_ids=[3, 4], stop=["</answer>"])
     assert p.stop_token_ids == (3, 4) and p.stop == ("</answer>",)
     assert hash(p) == hash(base.SamplingParams(stop_token_ids=(3, 4), stop=("</answer>",)))
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.n) == (1.0, 1.0, 0, 128, 1)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 128)
+    assert not hasattr(p, "n")  # samples per prompt is `generate`'s argument only
     assert p.logprobs and not p.ignore_eos and p.thinking_budget is None
     assert p.thinking_end_text.endswith("</think>")
     assert base.SamplingParams(temperature=0.0).greedy and not p.greedy
@@ -181,10 +181,10 @@ def test_thinking_budget_detects_a_special_close_token_by_id():
 
 def test_sampler_protocol_is_structural():
     class Good:
-        def generate(self, prompt_token_ids, n, params):
+        def generate(self, prompt_token_ids, n, sampling_params):
             return []
 
-        def update_weights(self, params, *, version=None):
+        def update_weights(self, weights, *, version=None):
             return {}
 
         def close(self):
