@@ -40,15 +40,13 @@ def _cmd_train(argv, *, sft_only=False):
     if sft_only:
         overrides.append("rl.algo=none")
     cfg = config_lib.load_config(args.config, overrides)
-    # Only passed when set: train.run grows the keyword with the driver's preflight wiring.
-    extra = {"overwrite": True} if args.overwrite else {}
-    summary = train.run(cfg, resume=args.resume, **extra)
+    summary = train.run(cfg, resume=args.resume, overwrite=args.overwrite)
     return 0 if summary is not None else 1
 
 
 def _cmd_eval(argv):
     from jaxrlvr import config as config_lib
-    from jaxrlvr import preflight, train
+    from jaxrlvr import train
 
     p = argparse.ArgumentParser(prog="jaxrlvr eval", description="Evaluate a model or checkpoint.")
     p.add_argument("config")
@@ -56,7 +54,6 @@ def _cmd_eval(argv):
     p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
     args = p.parse_args(argv)
     cfg = config_lib.load_config(args.config, args.overrides)
-    cfg = preflight.check(cfg, mode="eval", checkpoint=args.checkpoint)
     result = train.evaluate_only(cfg, run_dir=args.checkpoint)
     for key, value in sorted(result.items()):
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")

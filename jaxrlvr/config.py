@@ -13,13 +13,12 @@ import os
 from typing import Literal
 
 from jaxrlvr import configlib
-from jaxrlvr.algos import loss_config
+from jaxrlvr.algos import loss_config, updates
 from jaxrlvr.algos.optim import OptimizerConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
 from jaxrlvr.distributed import DistributedConfig
+from jaxrlvr.model.config import dtype_name
 from jaxrlvr.model.sharding import MeshConfig
-
-DType = Literal["float32", "bfloat16"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,8 +42,8 @@ class ModelSection:
 
     path: str | None = None
     tokenizer: str | None = None
-    dtype: DType = "float32"
-    param_dtype: DType = "float32"
+    dtype: str = "float32"  # any spelling model.dtype_name accepts ("bf16", "bfloat16", ...)
+    param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = True
     # Shape of a randomly initialised model (used when ``path`` is None).
@@ -57,6 +56,11 @@ class ModelSection:
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
+        # Normalised once, at construction (the frozen instance is never changed afterwards).
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, argument="model.dtype"))
+        object.__setattr__(
+            self, "param_dtype", dtype_name(self.param_dtype, argument="model.param_dtype")
+        )
         if self.path is None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required when model.path is not set")
 
@@ -131,23 +135,6 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOSection:
-    """PPO's own settings (``algos.updates.PPOUpdateConfig``); the policy loss is ``rl.loss``.
-
-    trunk: "shared" / "detached" put the value head on the policy's hidden states; "separate"
-    trains a critic model of its own, initialised from the policy's weights when the RL phase
-    starts (after the SFT warm start, if any), with the same optimiser settings as the policy.
-    """
-
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float | None = 0.2
-    vf_coef: float = 0.1
-    normalize_advantages: bool = True
-    trunk: Literal["shared", "detached", "separate"] = "shared"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class RLSection:
     """The RL phase: algorithm, batch shape, estimators and the field's data-side options."""
 
@@ -163,7 +150,10 @@ class RLSection:
     loss: loss_config.PolicyLossConfig = dataclasses.field(
         default_factory=loss_config.PolicyLossConfig
     )
-    ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+    # PPO's own settings; its policy loss is ``loss``. trunk "separate" trains a critic model of
+    # its own, copied from the policy when the RL phase starts, with the policy's optimiser
+    # settings.
+    ppo: updates.PPOConfig = dataclasses.field(default_factory=updates.PPOConfig)
     drop_zero_variance_groups: bool = False
     difficulty_filter: bool = False
     difficulty_filter_k: int = 4

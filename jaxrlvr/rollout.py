@@ -1,4 +1,4 @@
-"""From completions to a padded training batch: grading, reward shaping, advantages, packing.
+"""From graded completions to a padded rollout batch: reward shaping, advantages, packing.
 
 Host-side glue between the sampler, the verifiers and the update: it turns one step's prompts and
 sampled completions into numpy arrays of fixed batch size and a bucketed length (so the jitted
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlvr.algos import advantages as advantages_lib
+from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import loss_config, shaping
 from jaxrlvr.sampling.base import Completion
 
@@ -156,3 +157,101 @@ def group_advantages(
     grouped = rewards.reshape(-1, group_size)
     zero_var = np.all(grouped == grouped[:, :1], axis=1)
     return adv.astype(np.float32), zero_var
+
+
+def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batch:
+    """A host ``Batch`` (NumPy) from packed rows plus per-row/per-token ``fields``."""
+    arrays = dict(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        labels=packed.labels,
+        loss_mask=packed.loss_mask,
+    )
+    arrays.update({k: v for k, v in fields.items() if v is not None})
+    return batch_lib.Batch(**{k: np.asarray(v) for k, v in arrays.items()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapingConfig:
+    """The host-side choices of turning graded completions into a rollout batch (the driver
+    fills it from ``rl.*``): advantage estimator, Kimi length reward, DAPO overlong penalty,
+    forced-token and truncation masking, zero-variance group dropping."""
+
+    group_size: int
+    advantage: loss_config.AdvantageConfig = dataclasses.field(
+        default_factory=loss_config.AdvantageConfig
+    )
+    length_reward_weight: float = 0.0
+    overlong: loss_config.OverlongConfig | None = None
+    mask_forced_tokens: bool = True
+    mask_truncated: bool = False
+    drop_zero_variance_groups: bool = False
+
+
+def shape(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Completion],
+    scores: Sequence[dict[str, float]],
+    cfg: ShapingConfig,
+    *,
+    pad_id: int,
+    max_length: int | None = None,
+) -> tuple[batch_lib.Batch, dict[str, float]]:
+    """One step's rollouts as a host ``Batch`` with every rollout field an algorithm may read
+    (``advantages``, ``rewards`` (shaped), ``correct``, ``sampler_logp``), and their metrics.
+
+    Args:
+      prompts: P prompts' token ids; completions: P x G completions, prompt-major;
+      scores: the verifier's dict per completion (``reward``, ``answer_reward``,
+        ``format_reward``).
+    """
+    g = cfg.group_size
+    raw = np.asarray([s["reward"] for s in scores], np.float32)
+    correct = np.asarray([s["answer_reward"] for s in scores], np.float32)
+    lengths = np.asarray([len(c.token_ids) for c in completions], np.float32)
+    rewards, metrics = shaped_rewards(
+        raw,
+        correct,
+        lengths,
+        g,
+        length_reward_weight=cfg.length_reward_weight,
+        overlong=cfg.overlong,
+    )
+    adv, zero_var = group_advantages(rewards, g, cfg.advantage)
+    weights = [
+        completion_weights(c, mask_forced=cfg.mask_forced_tokens, mask_truncated=cfg.mask_truncated)
+        for c in completions
+    ]
+    if cfg.drop_zero_variance_groups:
+        keep_rows = np.repeat(~zero_var, g)
+        weights = [w if k else [0.0] * len(w) for w, k in zip(weights, keep_rows)]
+    packed = pack(
+        [prompts[i // g] for i in range(len(completions))],
+        [c.token_ids for c in completions],
+        pad_id=pad_id,
+        sampler_logps=[c.logprobs for c in completions],
+        loss_weights=weights,
+        max_length=max_length,
+    )
+    batch = to_batch(
+        packed, advantages=adv, rewards=rewards, correct=correct, sampler_logp=packed.sampler_logp
+    )
+    metrics.update(
+        {
+            "reward_mean": float(raw.mean()),
+            "reward_std": float(raw.std()),
+            "shaped_reward_mean": float(rewards.mean()),
+            "accuracy": float(correct.mean()),
+            "format_rate": float(np.mean([s["format_reward"] for s in scores])),
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": float(lengths.max()),
+            "zero_variance_group_fraction": float(zero_var.mean()),
+            "truncated_fraction": float(
+                np.mean([c.finish_reason == "length" for c in completions])
+            ),
+            "tokens/response": int(lengths.sum()),
+            "tokens/batch_shape_T": int(packed.shape[1]),
+            "tokens/attended": int(packed.attention_mask.sum()),
+        }
+    )
+    return batch, metrics

@@ -1,13 +1,23 @@
-"""The driver: SFT warm start, then the RL loop (GRPO / PPO / expert iteration), eval, checkpoints.
+"""The driver: SFT warm start, then the RL loop, eval, checkpoints, export.
 
-One RL step: prompts -> sampler (n = group size) -> rewards (grading pool) -> shaping and
-advantages -> padded batch in a length bucket -> old / reference log-probs -> update epochs ->
-weight sync to the sampler -> metrics; eval every ``eval.every`` steps on the held-out split,
-an orbax checkpoint every ``checkpoint.every`` steps.
+The driver knows no algorithm's insides. ``make_algorithm`` maps the config to an
+``algos.algorithm.Algorithm`` record (SFT, GRPO and its variants, PPO, expert iteration), and one
+RL step reads
+
+    sample -> grade -> shape -> prepare -> update -> sync
+
+each a named method: the sampler generates ``rl.group_size`` completions per prompt, the grading
+pool scores them, ``rollout.shape`` builds the host batch of every rollout field (advantages,
+shaped rewards, correctness, the sampler's log-probs) in a length bucket, the compiled
+``prepare`` places it on the mesh (the step's one host-to-device transfer) and runs the
+old / reference / value passes on device, the compiled, donated ``update`` runs
+``rl.epochs_per_step`` times, its metrics come back together with prepare's (the one
+device-to-host transfer), and the sampler receives the new weights.
 
 Everything random is derived from ``run.seed`` and the step number (sampler seeds, data order), and
 every checkpoint holds the train state, the data position and the loop counters, so a run killed
 at any point and resumed with ``--resume`` ends with the same parameters as one never killed.
+SIGTERM (a scheduler's preemption) saves a checkpoint between steps and ends the run cleanly.
 
 Left out on purpose: asynchronous (off-policy) rollouts; sampling and training alternate.
 """
@@ -24,19 +34,17 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
 
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, rollout
+from jaxrlvr import configlib, interrupt, preflight, rollout
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import loss_config, optim, updates, value
-from jaxrlvr.algos import state as state_lib
+from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import loss_config, updates
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, synthetic, templates
 from jaxrlvr.data import tokenizer as tokenizer_lib
@@ -64,7 +72,34 @@ def build_tokenizer(cfg: config_lib.TrainConfig):
     return tok
 
 
+def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfig:
+    """The policy's architecture: the checkpoint's config.json, or the random model's shape."""
+    m = cfg.model
+    choices = dict(
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
+    )
+    if m.path is not None:
+        return model_lib.ModelConfig.from_json(os.path.join(m.path, "config.json"), **choices)
+    return model_lib.ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings,
+        hf_config={
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        **choices,
+    )
+
+
 def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2ForCausalLM:
+    """The policy with its weights: loaded from ``model.path`` or randomly initialised."""
     m = cfg.model
     if m.path is not None:
         return model_lib.load_hf(
@@ -75,40 +110,26 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
             remat=m.remat,
             scan_layers=m.scan_layers,
         )
-    model_cfg = model_lib.ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        tie_word_embeddings=m.tie_word_embeddings,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        scan_layers=m.scan_layers,
-        hf_config={
-            "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-    )
-    return model_lib.init_model(model_cfg, seed=cfg.run.seed, mesh=mesh)
+    return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
 
 
-def load_splits(cfg: config_lib.TrainConfig) -> tuple[list[loading.Problem], list[loading.Problem]]:
+def abstract_model(model_cfg: model_lib.ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph definition, params as ``jax.ShapeDtypeStruct``): the model's shape, no weights."""
+    abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(model_cfg, mesh=mesh))
+    return nnx.split(abstract, nnx.Param)
+
+
+def load_splits(
+    cfg: config_lib.TrainConfig, *, train: bool = True
+) -> tuple[list[loading.Problem], list[loading.Problem]]:
+    """(train problems, held-out problems); ``train=False`` skips reading the training split."""
     d = cfg.data
     if d.train == "synthetic":
-        train, held_out = synthetic.make_splits(
+        return synthetic.make_splits(
             cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
         )
-        return train, held_out
 
     def load(path, split):
-        local = os.sep in path or path.endswith((".jsonl", ".json", ".parquet"))
-        if local and not os.path.exists(path):
-            raise FileNotFoundError(f"data file {path!r} not found")
         data_cfg = loading.DataConfig(
             path=path,
             split=split,
@@ -124,9 +145,9 @@ def load_splits(cfg: config_lib.TrainConfig) -> tuple[list[loading.Problem], lis
             raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
         return problems
 
-    train = load(d.train, d.split)
+    train_problems = load(d.train, d.split) if train else []
     held_out = load(d.eval, d.eval_split) if d.eval else []
-    return train, held_out
+    return train_problems, held_out
 
 
 def render(cfg: config_lib.TrainConfig, problem: loading.Problem, tokenizer) -> str:
@@ -160,9 +181,7 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     if cfg.sampler.kind == "jax":
         from jaxrlvr.sampling import jax_sampler
 
-        return jax_sampler.JaxSampler(
-            model.config, nnx.state(model, nnx.Param), tokenizer, mesh=mesh, eos_token_ids=eos
-        )
+        return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
     s = cfg.sampler
@@ -186,6 +205,60 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     return vllm_sampler.VLLMSampler(
         model.config, [server], tokenizer, restart_dead_servers=s.vllm_restart
     )
+
+
+def make_algorithm(
+    cfg: config_lib.TrainConfig,
+    phase: str,
+    graphdef: nnx.GraphDef,
+    params_shape: nnx.State,
+    mesh,
+) -> algorithm_lib.Algorithm:
+    """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
+    ``rl.algo`` string becomes code."""
+    if phase == "sft":
+        sft_cfg = updates.SFTUpdateConfig(num_microbatches=cfg.sft.microbatches)
+        return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
+    rl = cfg.rl
+    if rl.algo == "grpo":
+        grpo_cfg = updates.GRPOUpdateConfig(loss=rl.loss, num_microbatches=rl.microbatches)
+        return algorithm_lib.grpo(graphdef, cfg.optim, grpo_cfg, mesh=mesh)
+    if rl.algo == "ppo":
+        ppo_cfg = updates.PPOUpdateConfig(
+            loss=rl.loss, num_microbatches=rl.microbatches, **dataclasses.asdict(rl.ppo)
+        )
+        return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
+    if rl.algo == "expert_iteration":
+        ei_cfg = updates.SFTUpdateConfig(num_microbatches=rl.microbatches)
+        return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
+    raise ValueError(f"rl.algo={rl.algo!r} has no RL phase")
+
+
+def shaping_config(cfg: config_lib.TrainConfig, rl_step: int) -> rollout.ShapingConfig:
+    rl = cfg.rl
+    overlong = None
+    if rl.overlong_cache_len:
+        overlong = loss_config.OverlongConfig(
+            max_len=cfg.sampler.max_tokens, cache_len=rl.overlong_cache_len
+        )
+    return rollout.ShapingConfig(
+        group_size=rl.group_size,
+        advantage=rl.advantage,
+        length_reward_weight=(
+            rl.length_reward_weight if rl_step >= rl.length_reward_from_step else 0.0
+        ),
+        overlong=overlong,
+        mask_forced_tokens=rl.mask_forced_tokens,
+        mask_truncated=rl.loss.mask_truncated,
+        drop_zero_variance_groups=rl.drop_zero_variance_groups,
+    )
+
+
+def abstract_state(algorithm, params_shape, mesh, rng=0):
+    """The abstract ``TrainState`` of ``algorithm.init`` with its target shardings."""
+    shape = jax.eval_shape(lambda p: algorithm.init(p, rng), params_shape)
+    shardings = step_lib.state_shardings(shape, mesh)
+    return checkpoint_lib.abstract_like(shape, shardings), shardings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,15 +305,7 @@ class LoopState:
 class Trainer:
     """Holds the run's components; ``run()`` drives the phases."""
 
-    def __init__(
-        self,
-        cfg: config_lib.TrainConfig,
-        *,
-        resume: bool = False,
-        step: int | None = None,
-        train: bool = True,
-    ):
-        """``train=False`` (eval, export): no metrics log, the run's files are left as they are."""
+    def __init__(self, cfg: config_lib.TrainConfig, *, resume: bool = False):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
@@ -253,6 +318,7 @@ class Trainer:
         model = build_model(cfg, self.tokenizer, self.mesh)
         self.model_cfg = model.config
         self.graphdef, params = nnx.split(model, nnx.Param)
+        self.params_shape = jax.eval_shape(lambda p: p, params)
         self.train_problems, self.eval_problems = load_splits(cfg)
         self.reward_fn = verifiers.make_reward_fn(
             verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
@@ -260,25 +326,24 @@ class Trainer:
         self.pool = grading.GradingPool(
             num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
         )
-        self.loop = LoopState()
+        self.loop = LoopState(phase="sft" if cfg.sft.steps > 0 else "rl")
         self.ckpt = checkpoint_lib.Checkpointer(
             os.path.join(self.run_dir, "checkpoints"), keep=cfg.checkpoint.keep
         )
-        self.logprob_fn = jax.jit(updates.make_logprob_fn(self.graphdef))
-        self.ref_params = None
-        self._init_phase_state(params)
+        self._enter_phase(self.loop.phase, params, jax.random.PRNGKey(cfg.run.seed))
         if resume:
-            self._restore(step)
-        elif train and jax.process_index() == 0:
+            self._restore()
+        elif jax.process_index() == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(config_lib.config_to_dict(cfg), f, sort_keys=False)
         self.iterator = self._make_iterator()
         if self.loop.data is not None:
             self.iterator.load_state_dict(self.loop.data)
         self._sampler = None
+        self._last_accuracy = None
         self.metrics = None
         # Multi-host: every process runs the same loop; only process 0 writes the run's files.
-        if not train or jax.process_index() != 0:
+        if jax.process_index() != 0:
             return
         self.metrics = metrics_lib.MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard)
         if resume:
@@ -291,7 +356,7 @@ class Trainer:
 
     @property
     def sampler(self):
-        """The rollout sampler, started on first use (export never starts one)."""
+        """The rollout sampler, started on first use."""
         if self._sampler is None:
             self._sampler = build_sampler(
                 self.cfg,
@@ -302,87 +367,24 @@ class Trainer:
             )
         return self._sampler
 
-    # -- state and phases ---------------------------------------------------------------------
     @property
     def global_step(self) -> int:
         return self.loop.sft_step + self.loop.rl_step
 
-    def _phase_tx(self, phase: str):
-        return optim.make_optimizer(self.cfg.sft.optim if phase == "sft" else self.cfg.optim)
-
-    def _init_phase_state(self, params) -> None:
-        phase = "sft" if self.cfg.sft.steps > 0 else "rl"
-        self.loop.phase = phase
-        self._set_state(phase, params, rng=jax.random.PRNGKey(self.cfg.run.seed))
-
-    def _set_state(self, phase: str, params, rng) -> None:
-        """(Re)builds the update, the state and their shardings for ``phase``."""
-        cfg = self.cfg
-        tx = self._phase_tx(phase)
-        value_params = value_tx = self.value_graphdef = None
-        if phase == "rl" and cfg.rl.algo == "ppo":
-            if cfg.rl.ppo.trunk == "separate":
-                # The critic starts as a copy of the policy at the start of RL (verl's default).
-                self.value_graphdef, value_params = value.init_value_model(
-                    self.graphdef, params, rng=cfg.run.seed + 1
-                )
-            else:
-                value_params = value.init_value_head(self.model_cfg.hidden_size, cfg.run.seed + 1)
-            value_tx = tx
-        state = state_lib.TrainState.create(
-            self.graphdef, params, tx, rng, value_params=value_params, value_tx=value_tx
+    # -- state and phases ---------------------------------------------------------------------
+    def _enter_phase(self, phase: str, params, rng) -> None:
+        """The phase's algorithm record, its fresh state, and the compiled prepare/update."""
+        self.algorithm = make_algorithm(
+            self.cfg, phase, self.graphdef, self.params_shape, self.mesh
         )
-        self.state_shardings = step_lib.state_shardings(state, self.mesh)
-        self.state = jax.device_put(state, self.state_shardings)
-        self.update = self._make_update(phase, tx, value_tx)
-        self._jitted = None
-        if phase == "rl" and cfg.rl.loss.kl_coef > 0 and self.ref_params is None:
-            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
-
-    def _make_update(self, phase, tx, value_tx):
-        cfg = self.cfg
-        schedule = optim.make_schedule(cfg.sft.optim if phase == "sft" else cfg.optim)
-        if phase == "sft" or cfg.rl.algo == "expert_iteration":
-            micro = cfg.sft.microbatches if phase == "sft" else cfg.rl.microbatches
-            sft_cfg = updates.SFTUpdateConfig(num_microbatches=micro)
-            factory = (
-                updates.make_sft_update if phase == "sft" else updates.make_expert_iteration_update
-            )
-            return factory(self.graphdef, tx, sft_cfg, lr_schedule=schedule)
-        if cfg.rl.algo == "ppo":
-            ppo_cfg = updates.PPOUpdateConfig(
-                loss=cfg.rl.loss,
-                num_microbatches=cfg.rl.microbatches,
-                **dataclasses.asdict(cfg.rl.ppo),
-            )
-            return updates.make_ppo_update(
-                self.graphdef,
-                tx,
-                value_tx,
-                ppo_cfg,
-                lr_schedule=schedule,
-                value_graphdef=self.value_graphdef,
-            )
-        grpo_cfg = updates.GRPOUpdateConfig(loss=cfg.rl.loss, num_microbatches=cfg.rl.microbatches)
-        return updates.make_grpo_update(self.graphdef, tx, grpo_cfg, lr_schedule=schedule)
-
-    def jitted_update(self, state, batch):
-        """The compiled update (built on the first batch: its field set fixes the shardings)."""
-        if self._jitted is None:
-            self._jitted = step_lib.jit_update(
-                self.update, self.state_shardings, step_lib.batch_shardings(batch, self.mesh)
-            )
-        return self._jitted(state, batch)
+        _, shardings = abstract_state(self.algorithm, self.params_shape, self.mesh)
+        self.state = jax.device_put(self.algorithm.init(params, rng), shardings)
+        self.compiled = step_lib.CompiledAlgorithm(self.algorithm, self.mesh, shardings)
 
     def _make_iterator(self):
         cfg = self.cfg
-        if cfg.rl.curriculum:
-            return iterators.CurriculumPromptIterator(
-                self.train_problems, cfg.rl.prompts_per_step, seed=cfg.run.seed
-            )
-        return iterators.PromptIterator(
-            self.train_problems, cfg.rl.prompts_per_step, seed=cfg.run.seed
-        )
+        cls = iterators.CurriculumPromptIterator if cfg.rl.curriculum else iterators.PromptIterator
+        return cls(self.train_problems, cfg.rl.prompts_per_step, seed=cfg.run.seed)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self) -> None:
@@ -390,29 +392,27 @@ class Trainer:
         extra = {
             "loop": dataclasses.asdict(self.loop),
             "config": config_lib.config_to_dict(self.cfg),
+            "model_config": self.model_cfg.to_hf_config(),
         }
-        tree = {"state": self.state, "ref_params": self.ref_params}
-        self.ckpt.save(self.global_step, tree, extra)
+        self.ckpt.save(self.global_step, {"state": self.state}, extra)
 
-    def _restore(self, step: int | None = None) -> None:
-        """Restores checkpoint ``step`` (default: the newest complete one)."""
-        step = self.ckpt.latest_step() if step is None else step
-        if step is None:
-            log(f"--resume: no complete checkpoint in {self.ckpt.directory}; starting fresh")
+    def _restore(self) -> None:
+        """Restores the newest checkpoint that restores cleanly (older ones on failure)."""
+
+        def target(step, extra):
+            phase = LoopState(**extra["loop"]).phase
+            algo = make_algorithm(self.cfg, phase, self.graphdef, self.params_shape, self.mesh)
+            return {"state": abstract_state(algo, self.params_shape, self.mesh)[0]}
+
+        restored = self.ckpt.restore_latest(target, log=log)
+        if restored is None:
+            log(f"--resume: no checkpoint in {self.ckpt.directory} yet; starting fresh")
             return
-        _, extra = self.ckpt.restore_extra(step)
+        step, tree, extra = restored
         loop = LoopState(**extra["loop"])
         if loop.phase != self.loop.phase:
-            self._set_state(loop.phase, self.state.params, self.state.rng)
-        if loop.phase == "rl" and self.cfg.rl.loss.kl_coef > 0:
-            self.ref_params = self.state.params
-        target = {"state": self.state, "ref_params": self.ref_params}
-        shardings = {"state": self.state_shardings, "ref_params": None}
-        if self.ref_params is not None:
-            shardings["ref_params"] = self.state_shardings.params
-        abstract = checkpoint_lib.abstract_like(target, shardings)
-        tree, _ = self.ckpt.restore(step, abstract)
-        self.state, self.ref_params = tree["state"], tree["ref_params"]
+            self._enter_phase(loop.phase, self.state.params, self.state.rng)
+        self.state = tree["state"]
         self.loop = loop
         log(f"resumed from checkpoint step {step} (phase {loop.phase})")
 
@@ -431,10 +431,7 @@ class Trainer:
             ]
         import datasets
 
-        try:
-            rows = datasets.load_dataset("json", data_files=cfg.sft.data, split="train")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"sft.data={cfg.sft.data!r}: file not found") from None
+        rows = datasets.load_dataset("json", data_files=cfg.sft.data, split="train")
         examples, skipped = [], 0
         for i, row in enumerate(rows):
             prompt, response = row.get(cfg.sft.prompt_field), row.get(cfg.sft.response_field)
@@ -448,7 +445,7 @@ class Trainer:
             raise ValueError(f"sft.data={cfg.sft.data!r}: no usable prompt/response rows")
         return examples
 
-    def _sft_batch(self, examples: list[loading.Problem]) -> batch_lib.Batch:
+    def _sft_batch(self, examples: list[loading.Problem]):
         limit = self.model_cfg.max_position_embeddings
         prompts, responses = [], []
         for ex in examples:
@@ -457,22 +454,9 @@ class Trainer:
             prompts.append(p[: limit - 1])
             responses.append(r[: max(limit - len(prompts[-1]), 0)])
         packed = rollout.pack(prompts, responses, pad_id=self.pad_id, max_length=limit)
-        return self._to_batch(packed)
+        return rollout.to_batch(packed)
 
-    def _to_batch(self, packed: rollout.PackedBatch, validate=True, **fields) -> batch_lib.Batch:
-        arrays = dict(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            labels=packed.labels,
-            loss_mask=packed.loss_mask,
-        )
-        arrays.update({k: v for k, v in fields.items() if v is not None})
-        batch = batch_lib.Batch(**{k: np.asarray(v) for k, v in arrays.items()})
-        if validate:
-            batch_lib.validate_batch(batch, self.update.batch_spec)
-        return step_lib.shard_batch(batch, self.mesh)
-
-    def run_sft(self, progress) -> None:
+    def run_sft(self, progress, stop) -> None:
         cfg = self.cfg
         sft_iter = iterators.PromptIterator(
             self._sft_examples(), cfg.sft.batch_size, seed=cfg.run.seed + 1
@@ -483,8 +467,8 @@ class Trainer:
         last: dict[str, float] = {}
         while self.loop.sft_step < cfg.sft.steps:
             t0 = time.perf_counter()
-            batch = self._sft_batch(sft_iter.next_batch())
-            self.state, m = self.jitted_update(self.state, batch)
+            batch, _ = self.compiled.prepare(self.state, self._sft_batch(sft_iter.next_batch()))
+            self.state, m = self.compiled.update(self.state, batch)
             m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
             m["time/step_s"] = time.perf_counter() - t0
             self.loop.sft_step += 1
@@ -494,11 +478,13 @@ class Trainer:
                 last = m  # logged with the post-SFT evaluation below
             progress.update(1)
             progress.set_postfix(phase="sft", loss=f"{m.get('sft/loss', float('nan')):.3f}")
+            if self.loop.sft_step >= cfg.sft.steps:
+                break
             # The last SFT step is saved after the switch to RL (below), under the same step.
-            if (
-                self.loop.sft_step % cfg.checkpoint.every == 0
-                and self.loop.sft_step < cfg.sft.steps
-            ):
+            if stop.requested:
+                self._save()
+                return
+            if self.loop.sft_step % cfg.checkpoint.every == 0:
                 self._save()
         self.sampler.update_weights(self.state.params)
         ev = self._evaluate()
@@ -507,11 +493,12 @@ class Trainer:
         log(f"after SFT warm start: held-out accuracy {ev.get('eval/accuracy', float('nan')):.3f}")
         # Switch to the RL phase with a fresh optimiser state.
         self.loop.phase = "rl"
-        self._set_state("rl", self.state.params, self.state.rng)
+        if cfg.rl.algo != "none":
+            self._enter_phase("rl", self.state.params, self.state.rng)
         self._save()
 
-    # -- RL -------------------------------------------------------------------------------------
-    def _sample(self, problems, n, seed):
+    # -- RL: sample -> grade -> shape -> prepare -> update -> sync ----------------------------
+    def _generate(self, problems, n, seed):
         prompts = [encode(self.tokenizer, render(self.cfg, p, self.tokenizer)) for p in problems]
         params = sampling_params(self.cfg, self.tokenizer, seed=seed)
         completions = self.sampler.generate(prompts, n, params)
@@ -521,156 +508,102 @@ class Trainer:
             )
         return prompts, completions
 
-    def _select_problems(self, step_seed: int):
-        """Next prompts; with the difficulty filter, keep those the policy solves sometimes."""
-        cfg = self.cfg.rl
-        problems = self.iterator.next_batch()
-        if not cfg.difficulty_filter:
-            return problems, {}
-        candidates = problems + self.iterator.next_batch()
-        _, comps = self._sample(candidates, cfg.difficulty_filter_k, step_seed + 104729)
-        scores, _ = self.pool.grade(
-            self.reward_fn,
-            [c.text for c in comps],
-            [p.answer for p in candidates for _ in range(cfg.difficulty_filter_k)],
+    def _grade(self, problems, completions, n):
+        truths = [p.answer for p in problems for _ in range(n)]
+        return self.pool.grade(self.reward_fn, [c.text for c in completions], truths)
+
+    def sample(self, step_seed: int):
+        """The step's prompts and their completions (with the difficulty filter: keep the prompts
+        the policy solves sometimes)."""
+        rl = self.cfg.rl
+        problems, m = self.iterator.next_batch(), {}
+        if rl.difficulty_filter:
+            candidates = problems + self.iterator.next_batch()
+            k = rl.difficulty_filter_k
+            _, comps = self._generate(candidates, k, step_seed + 104729)
+            scores, _ = self._grade(candidates, comps, k)
+            rates = np.asarray([s["answer_reward"] for s in scores]).reshape(-1, k).mean(1)
+            informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
+            rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
+            problems = (informative + rest)[: rl.prompts_per_step]
+            m["filter/informative_fraction"] = len(informative) / len(candidates)
+        prompts, completions = self._generate(problems, rl.group_size, step_seed)
+        return problems, prompts, completions, m
+
+    def grade(self, problems, completions):
+        scores, stats = self._grade(problems, completions, self.cfg.rl.group_size)
+        if isinstance(self.iterator, iterators.CurriculumPromptIterator):
+            g = self.cfg.rl.group_size
+            self.iterator.update(
+                [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
+            )
+        return scores, stats
+
+    def shape(self, prompts, completions, scores):
+        return rollout.shape(
+            prompts,
+            completions,
+            scores,
+            shaping_config(self.cfg, self.loop.rl_step),
+            pad_id=self.pad_id,
+            max_length=self.model_cfg.max_position_embeddings,
         )
-        rates = (
-            np.asarray([s["answer_reward"] for s in scores]).reshape(len(candidates), -1).mean(1)
-        )
-        informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
-        rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
-        kept = (informative + rest)[: cfg.prompts_per_step]
-        return kept, {"filter/informative_fraction": len(informative) / len(candidates)}
+
+    def prepare(self, rollouts):
+        fields = algorithm_lib.select_fields(rollouts, self.algorithm.rollout_spec)
+        batch, metrics = self.compiled.prepare(self.state, fields)
+        return jax.block_until_ready(batch), metrics
+
+    def update(self, batch):
+        metrics = {}
+        for _ in range(self.cfg.rl.epochs_per_step):
+            self.state, metrics = self.compiled.update(self.state, batch)
+        return metrics
+
+    def sync(self):
+        return self.sampler.update_weights(self.state.params, version=self.loop.rl_step + 1)
 
     def rl_step(self) -> dict[str, float]:
-        cfg = self.cfg
-        rl = cfg.rl
         timer = metrics_lib.PhaseTimer()
-        step_seed = cfg.run.seed * 1_000_003 + self.loop.rl_step
+        step_seed = self.cfg.run.seed * 1_000_003 + self.loop.rl_step
         with timer.phase("sample"):
-            problems, m = self._select_problems(step_seed)
-            prompts, completions = self._sample(problems, rl.group_size, step_seed)
-        g = rl.group_size
-        texts = [c.text for c in completions]
-        truths = [p.answer for p in problems for _ in range(g)]
+            problems, prompts, completions, filter_m = self.sample(step_seed)
         with timer.phase("reward"):
-            scores, gstats = self.pool.grade(self.reward_fn, texts, truths)
-        raw = np.asarray([s["reward"] for s in scores], np.float32)
-        correct = np.asarray([s["answer_reward"] for s in scores], np.float32)
-        lengths = np.asarray([len(c.token_ids) for c in completions], np.float32)
-        length_weight = (
-            rl.length_reward_weight if self.loop.rl_step >= rl.length_reward_from_step else 0.0
-        )
-        overlong = None
-        if rl.overlong_cache_len:
-            overlong = loss_config.OverlongConfig(
-                max_len=cfg.sampler.max_tokens, cache_len=rl.overlong_cache_len
-            )
-        rewards, shaping_m = rollout.shaped_rewards(
-            raw, correct, lengths, g, length_reward_weight=length_weight, overlong=overlong
-        )
-        adv, zero_var = rollout.group_advantages(rewards, g, rl.advantage)
-        if isinstance(self.iterator, iterators.CurriculumPromptIterator):
-            self.iterator.update([p.id for p in problems for _ in range(g)], list(correct))
-
-        row_prompts = [prompts[i // g] for i in range(len(completions))]
-        weights = [
-            rollout.completion_weights(
-                c, mask_forced=rl.mask_forced_tokens, mask_truncated=rl.loss.mask_truncated
-            )
-            for c in completions
-        ]
-        if rl.drop_zero_variance_groups:
-            keep_rows = np.repeat(~zero_var, g)
-            weights = [w if k else [0.0] * len(w) for w, k in zip(weights, keep_rows)]
-        if rl.algo == "expert_iteration":
-            weights = [w if c > 0 else [0.0] * len(w) for w, c in zip(weights, correct)]
-        max_len = self.model_cfg.max_position_embeddings
-        packed = rollout.pack(
-            row_prompts,
-            [c.token_ids for c in completions],
-            pad_id=self.pad_id,
-            sampler_logps=[c.logprobs for c in completions],
-            loss_weights=weights,
-            max_length=max_len,
-        )
-
+            scores, grading_stats = self.grade(problems, completions)
+        rollouts, out = self.shape(prompts, completions, scores)
         with timer.phase("logprobs"):
-            if rl.algo == "expert_iteration":
-                batch = self._to_batch(packed)
-            else:
-                base = self._to_batch(packed, validate=False)
-                old_logp, _ = self.logprob_fn(self.state.params, base)
-                ref_logp = None
-                if self.ref_params is not None:
-                    ref_logp, _ = self.logprob_fn(self.ref_params, base)
-                fields = dict(
-                    advantages=adv,
-                    old_logp=np.asarray(old_logp),
-                    sampler_logp=packed.sampler_logp,
-                    ref_logp=None if ref_logp is None else np.asarray(ref_logp),
-                )
-                if rl.algo == "ppo":
-                    fields.pop("advantages")
-                    fields["rewards"] = rewards
-                    fields["old_values"] = np.asarray(
-                        self.value_fn(self.state.params, self.state.value_params, base)
-                    )
-                spec = self.update.batch_spec
-                fields = {
-                    k: v for k, v in fields.items() if k in spec.required or k in spec.optional
-                }
-                batch = self._to_batch(packed, **fields)
+            batch, prepare_m = self.prepare(rollouts)
         with timer.phase("update"):
-            for _ in range(rl.epochs_per_step):
-                self.state, um = self.jitted_update(self.state, batch)
-            um = jax.device_get(um)
+            update_m = self.update(batch)
+            update_m, prepare_m = jax.device_get((update_m, prepare_m))
         with timer.phase("sync"):
-            sync = self.sampler.update_weights(self.state.params, version=self.loop.rl_step + 1)
+            sync = self.sync()
         self.loop.rl_step += 1
 
-        mask = packed.loss_mask > 0
-        gap = (
-            np.abs(np.asarray(batch.old_logp) - packed.sampler_logp)[mask]
-            if (rl.algo != "expert_iteration" and mask.any())
-            else np.zeros(1)
-        )
-        out = {
-            "reward_mean": float(raw.mean()),
-            "reward_std": float(raw.std()),
-            "shaped_reward_mean": float(rewards.mean()),
-            "accuracy": float(correct.mean()),
-            "format_rate": float(np.mean([s["format_reward"] for s in scores])),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "zero_variance_group_fraction": float(zero_var.mean()),
-            "truncated_fraction": float(
-                np.mean([c.finish_reason == "length" for c in completions])
-            ),
-            "sampler_trainer_logprob_gap_mean": float(gap.mean()),
-            "sampler_trainer_logprob_gap_max": float(gap.max()),
-            "tokens/response": int(lengths.sum()),
-            "tokens/batch_shape_T": int(packed.shape[1]),
-        }
-        out.update({k: float(v) for k, v in um.items()})
-        out.update(m)
-        out.update(shaping_m)
-        out.update(gstats.as_metrics())
+        out.update({k: float(v) for k, v in {**prepare_m, **update_m}.items()})
+        out.update(filter_m)
+        out.update(grading_stats.as_metrics())
         out.update({f"sync/{k}": float(v) for k, v in (sync or {}).items()})
         seconds = timer.seconds
         out.update(timer.collect())
-        sample_s = max(seconds.get("sample", 0.0), 1e-9)
-        update_s = max(seconds.get("update", 0.0), 1e-9)
-        out["throughput/sample_tokens_per_s"] = float(lengths.sum() / sample_s)
-        out["throughput/update_tokens_per_s"] = float(
-            packed.attention_mask.sum() * rl.epochs_per_step / update_s
+        out["throughput/sample_tokens_per_s"] = out["tokens/response"] / max(
+            seconds.get("sample", 0.0), 1e-9
         )
+        out["throughput/update_tokens_per_s"] = (
+            out.pop("tokens/attended") * self.cfg.rl.epochs_per_step
+        ) / max(seconds.get("update", 0.0), 1e-9)
         return out
 
     def _evaluate(self) -> dict[str, float]:
-        return evaluate(
+        ev = evaluate(
             self.cfg, self.sampler, self.tokenizer, self.eval_problems, self.pool, self.reward_fn
         )
+        self._last_accuracy = ev.get("eval/accuracy", self._last_accuracy)
+        return ev
+
+    def _postfix(self, m: dict) -> dict[str, str]:
+        acc = "n/a" if self._last_accuracy is None else f"{self._last_accuracy:.2f}"
+        return dict(phase=self.cfg.rl.algo, reward=f"{m['reward_mean']:.2f}", eval_acc=acc)
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -685,36 +618,39 @@ class Trainer:
             dynamic_ncols=True,
         )
         t_start = time.perf_counter()
-        if self.loop.phase == "sft":
-            self.run_sft(progress)
-        if cfg.sft.steps == 0 and self.loop.rl_step == 0 and cfg.eval.at_start:
-            self.loop.eval_after_sft = self._evaluate()
-            self._log(0, self.loop.eval_after_sft)
-        if cfg.rl.algo != "none":
-            if cfg.rl.algo == "ppo":
-                self.value_fn = jax.jit(
-                    value.make_value_fn(self.graphdef, value_graphdef=self.value_graphdef)
-                )
-            self.sampler.update_weights(self.state.params)
-            while self.loop.rl_step < cfg.rl.steps:
-                m = self.rl_step()
-                if self.loop.rl_step % cfg.eval.every == 0 or self.loop.rl_step == cfg.rl.steps:
-                    ev = self._evaluate()
-                    m.update(ev)
-                    self.loop.eval_history.append({"step": self.loop.rl_step, **ev})
-                self._log(self.global_step, m)
-                progress.update(1)
-                progress.set_postfix(
-                    phase=cfg.rl.algo,
-                    reward=f"{m['reward_mean']:.2f}",
-                    acc=f"{m.get('eval/accuracy', float('nan')):.2f}",
-                )
-                if (
-                    self.loop.rl_step % cfg.checkpoint.every == 0
-                    or self.loop.rl_step == cfg.rl.steps
-                ):
-                    self._save()
+        if self.loop.eval_history:
+            self._last_accuracy = self.loop.eval_history[-1].get("eval/accuracy")
+        elif self.loop.eval_after_sft:
+            self._last_accuracy = self.loop.eval_after_sft.get("eval/accuracy")
+        with interrupt.GracefulStop() as stop:
+            if self.loop.phase == "sft":
+                self.run_sft(progress, stop)
+            if cfg.sft.steps == 0 and self.loop.rl_step == 0 and cfg.eval.at_start:
+                self.loop.eval_after_sft = self._evaluate()
+                self._log(0, self.loop.eval_after_sft)
+            if cfg.rl.algo != "none" and not stop.requested:
+                self.sampler.update_weights(self.state.params)
+                while self.loop.rl_step < cfg.rl.steps:
+                    m = self.rl_step()
+                    done = self.loop.rl_step == cfg.rl.steps
+                    if self.loop.rl_step % cfg.eval.every == 0 or done:
+                        ev = self._evaluate()
+                        m.update(ev)
+                        self.loop.eval_history.append({"step": self.loop.rl_step, **ev})
+                    self._log(self.global_step, m)
+                    progress.update(1)
+                    progress.set_postfix(**self._postfix(m))
+                    if self.loop.rl_step % cfg.checkpoint.every == 0 or done or stop.requested:
+                        self._save()
+                    if stop.requested:
+                        break
         progress.close()
+        if stop.requested:
+            log(
+                f"{stop.requested}: saved checkpoint step {self.global_step} and stopped; "
+                "continue with --resume"
+            )
+            return {"interrupted": stop.requested, "step": self.global_step}
         final = self.loop.eval_history[-1] if self.loop.eval_history else self._evaluate()
         self.loop.phase = "done"
         summary = {
@@ -744,13 +680,24 @@ class Trainer:
                 self.metrics.close()
 
 
-def run(cfg: config_lib.TrainConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Runs a training job end to end and prints where its outputs are."""
+def run(
+    cfg: config_lib.TrainConfig, *, resume: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
+    """Runs a training job end to end and prints where its outputs are.
+
+    Everything the run will read is checked first (``preflight``): an ``out_dir`` that already
+    holds a run is refused unless ``resume`` (continue it) or ``overwrite`` (move it aside).
+    """
+    cfg = preflight.check(
+        cfg, mode="train", resume=resume, overwrite=overwrite and jax.process_index() == 0
+    )
     trainer = Trainer(cfg, resume=resume)
     try:
         summary = trainer.run()
     finally:
         trainer.close()
+    if "interrupted" in summary:
+        return summary
     plots_dir = os.path.join(cfg.run.out_dir, "plots")
     with contextlib.suppress(Exception):
         from jaxrlvr import plots
@@ -766,36 +713,88 @@ def run(cfg: config_lib.TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+# ----------------------------------------------------------------------------------------------
+# Restoring only the policy: eval and export
+
+
+def restore_policy(
+    cfg: config_lib.TrainConfig, run_dir: str, mesh, tokenizer, *, step: int | None = None
+) -> tuple[int, model_lib.Qwen2ForCausalLM]:
+    """The policy of a run's checkpoint (default: the newest that restores), restored into an
+    abstract model: no Hugging Face weights are loaded, no data or graders are touched.
+
+    The architecture comes from the checkpoint (``model_config``), else from the run's config.
+    """
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
+
+    def target(s, extra):
+        if extra.get("model_config"):
+            m = cfg.model
+            model_cfg = model_lib.ModelConfig.from_hf_config(
+                extra["model_config"],
+                dtype=m.dtype,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+            )
+        else:
+            model_cfg = model_config(cfg, tokenizer)
+        graphdef, params_shape = abstract_model(model_cfg, mesh)
+        algo = make_algorithm(cfg, LoopState(**extra["loop"]).phase, graphdef, params_shape, mesh)
+        target.graphdef = graphdef
+        return {"state": abstract_state(algo, params_shape, mesh)[0]}
+
+    try:
+        restored = ckpt.restore_latest(target, step=step, log=log)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+    step, tree, _ = restored
+    return step, nnx.merge(target.graphdef, tree["state"].params)
+
+
+def _single_host_mesh():
+    return model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1))
+
+
 def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> dict[str, float]:
+    """Held-out evaluation of a run's newest checkpoint (``run_dir``), or of the config's
+    initial model when ``run_dir`` is None."""
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    trainer = Trainer(cfg, resume=run_dir is not None, train=False)
+    cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
+    mesh = model_lib.make_mesh(cfg.mesh)
+    tokenizer = build_tokenizer(cfg)
+    if run_dir is None:
+        model = build_model(cfg, tokenizer, mesh)
+    else:
+        step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
+        log(f"evaluating checkpoint step {step} of {run_dir}")
+    _, problems = load_splits(cfg, train=False)
+    reward_fn = verifiers.make_reward_fn(
+        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
+    )
+    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    sampler = None
     try:
-        trainer.sampler.update_weights(trainer.state.params)
-        return trainer._evaluate()
+        sampler = build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
+        return evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn)
     finally:
-        trainer.close()
+        if sampler is not None:
+            sampler.close()
+        pool.close()
 
 
 def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) -> str:
-    """Restores a checkpoint's params and writes a Hugging Face folder (config + safetensors)."""
+    """Restores a checkpoint's policy and writes a Hugging Face folder (config, safetensors,
+    tokenizer). Reads only the run directory (and the tokenizer): no data, graders or HF load."""
     with open(os.path.join(run_dir, "config.yaml")) as f:
         cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
-    cfg = dataclasses.replace(
-        cfg,
-        run=dataclasses.replace(cfg.run, out_dir=run_dir, progress=False),
-        mesh=model_lib.MeshConfig(data=1, fsdp=-1, tensor=1),
-    )
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir}/checkpoints: no complete checkpoint")
-    trainer = Trainer(cfg, resume=True, step=step, train=False)
-    try:
-        model = nnx.merge(trainer.graphdef, trainer.state.params)
-        model_lib.save_hf(model, out_dir, tokenizer_src=trainer.tokenizer)
-    finally:
-        trainer.close()
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
+    tokenizer = build_tokenizer(cfg)
+    step, model = restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
+    model_lib.save_hf(model, out_dir, tokenizer_src=tokenizer)
     with open(os.path.join(out_dir, "jaxrlvr_export.json"), "w") as f:
         json.dump({"run_dir": os.path.abspath(run_dir), "step": step}, f)
     return out_dir

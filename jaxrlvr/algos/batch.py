@@ -31,6 +31,7 @@ _LAYOUT = {
     "sampler_logp": "bt",
     "rewards": "b",
     "old_values": "bt",
+    "correct": "b",
 }
 _INT_FIELDS = ("input_ids", "labels")
 _MASK_FIELDS = ("attention_mask", "loss_mask")
@@ -51,7 +52,8 @@ class Batch:
     ref_logp: float32 [B, T] reference-model log-probs (KL penalty), optional;
     sampler_logp: float32 [B, T] the sampler's log-probs (truncated IS), optional;
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
-    predictions at rollout time (PPO).
+    predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
+    completion (expert iteration's filter).
     """
 
     input_ids: jax.Array
@@ -64,6 +66,7 @@ class Batch:
     sampler_logp: jax.Array | None = None
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
+    correct: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,13 +2,15 @@
 
 ``TrainState`` holds only arrays: the step counter, the policy parameters (an ``nnx.State`` of
 ``nnx.Param`` leaves that carry their ``logical_axes``), the optimiser state, a PRNG key, and for
-PPO the critic's parameters (a value head, or a separate value model) and their optimiser state.
+PPO the critic's parameters (a value head, or a separate value model) and their optimiser state,
+and the frozen reference policy's parameters when a KL penalty needs them (no optimiser state;
+updates pass them through unchanged).
 The models' graph definitions and the optax transformations are static and live in the update's
 closure, so the state can be donated, sharded (``step.state_shardings``) and checkpointed as a
 plain pytree.
 
-Not here: the reference model (it holds no optimiser state: keep its params apart and use
-``updates.make_logprob_fn``), and checkpointing.
+Not here: building a state for an algorithm (``algorithm.Algorithm.init`` does that, so the
+optimiser that initialised ``opt_state`` is the one the update applies), and checkpointing.
 """
 
 from typing import Any
@@ -25,7 +27,8 @@ class TrainState:
     counted); params: policy ``nnx.State``; opt_state: the optax state of ``params``; rng: a PRNG
     key (uint32 [2]), advanced on every applied update; value_params / value_opt_state: the PPO
     critic (``value.init_value_head``, or ``value.init_value_model`` for a separate value model)
-    and its optax state, None otherwise."""
+    and its optax state, None otherwise; ref_params: the frozen reference policy (same tree as
+    ``params``) for KL penalties, None otherwise."""
 
     step: jax.Array
     params: nnx.State
@@ -33,6 +36,7 @@ class TrainState:
     rng: jax.Array
     value_params: Any = None
     value_opt_state: Any = None
+    ref_params: Any = None
 
     @classmethod
     def create(
@@ -43,6 +47,7 @@ class TrainState:
         rng: jax.Array | int = 0,
         value_params: Any = None,
         value_tx: optax.GradientTransformation | None = None,
+        ref_params: nnx.State | None = None,
     ) -> "TrainState":
         """A fresh state at step 0.
 
@@ -56,6 +61,7 @@ class TrainState:
           value_params: PPO critic parameters (``value.init_value_head`` or
             ``value.init_value_model``), or None.
           value_tx: optax transformation for the critic; required with ``value_params``.
+          ref_params: the frozen reference policy's params, or None.
         """
         if params is None:
             if isinstance(model_or_graphdef, nnx.GraphDef):
@@ -72,4 +78,5 @@ class TrainState:
             rng=jnp.asarray(rng),
             value_params=value_params,
             value_opt_state=None if value_params is None else value_tx.init(value_params),
+            ref_params=ref_params,
         )

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import loss_config
 from jaxrlvr.algos import state as state_lib
@@ -184,3 +185,59 @@ def jit_update(
 def state_step(state: state_lib.TrainState) -> int:
     """The (replicated) step counter as a Python int."""
     return int(jax.device_get(state.step))
+
+
+class CompiledAlgorithm:
+    """An ``algorithm.Algorithm`` compiled for a mesh: what the driver calls every step.
+
+    ``prepare(state, rollouts)`` takes the host batch of the rollout fields (NumPy), validates it
+    once against ``algorithm.rollout_spec`` (a ``batch.BatchError`` naming the field, before any
+    tracing), places it on the mesh (the one host-to-device transfer of the step) and runs the
+    jitted prepare; ``update(state, batch)`` runs the jitted, donated update on the prepared
+    device batch (validated at trace time by the update itself, so not again on the host).
+    Both compile once per batch shape (length bucket); their metrics stay on device until the
+    driver fetches them together.
+    """
+
+    def __init__(
+        self,
+        algorithm: algorithm_lib.Algorithm,
+        mesh: Mesh,
+        state_shardings: state_lib.TrainState,
+        *,
+        on_nonfinite: OnNonfinite = "skip",
+    ):
+        loss_config.check_literal("on_nonfinite", on_nonfinite, OnNonfinite)
+        self.algorithm = algorithm
+        self.mesh = mesh
+        self.state_shardings = state_shardings
+        self.on_nonfinite = on_nonfinite
+        replicated = NamedSharding(mesh, PartitionSpec())
+        # One sharding for every field of a batch (a prefix of each field's rank): rows over
+        # ('data', 'fsdp'), the rest whole, as ``batch_shardings``.
+        rows = sharding.batch_sharding(mesh, 1)
+        self._prepare = jax.jit(
+            algorithm.prepare,
+            in_shardings=(state_shardings, rows),
+            out_shardings=(rows, replicated),
+        )
+        self._update = jax.jit(
+            algorithm.update,
+            in_shardings=(state_shardings, rows),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
+        )
+
+    def prepare(self, state: state_lib.TrainState, rollouts: batch_lib.Batch):
+        batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
+        placed = shard_batch(rollouts, self.mesh)
+        return self._prepare(state, placed)
+
+    def update(self, state: state_lib.TrainState, batch: batch_lib.Batch):
+        new_state, metrics = self._update(state, batch)
+        if self.on_nonfinite == "raise" and float(metrics["nonfinite"]) > 0:
+            raise NonFiniteUpdateError(
+                f"non-finite loss or gradient at step {int(state_step(new_state))}: "
+                f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
+            )
+        return new_state, metrics

@@ -91,11 +91,9 @@ class GRPOUpdateConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOUpdateConfig:
-    """PPO with a value head and GAE (Schulman et al. 2016, 2017).
+class PPOConfig:
+    """PPO's own settings (Schulman et al. 2016, 2017), apart from the policy loss.
 
-    loss: the policy objective; with ``kl_in="reward"`` and ``kl_coef > 0`` the KL to the
-        reference (on ``old_logp``) is subtracted from every token's reward (InstructGPT).
     gamma, lam: discount and GAE lambda.
     value_clip: clip range of the value loss around ``old_values`` (None: unclipped).
     vf_coef: weight of the value loss in the total loss. With ``trunk="separate"`` the two
@@ -107,10 +105,6 @@ class PPOUpdateConfig:
         learns) or "separate" (a critic model of its own, ``value.init_value_model``).
     """
 
-    loss: loss_config.PolicyLossConfig = dataclasses.field(
-        default_factory=loss_config.PolicyLossConfig
-    )
-    num_microbatches: int = 1
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float | None = 0.2
@@ -119,7 +113,6 @@ class PPOUpdateConfig:
     trunk: value.Trunk = "shared"
 
     def __post_init__(self) -> None:
-        _check_microbatches(self.num_microbatches)
         loss_config.check_literal("trunk", self.trunk, value.Trunk)
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
@@ -129,6 +122,24 @@ class PPOUpdateConfig:
             raise ValueError(f"value_clip must be None or > 0, got {self.value_clip!r}")
         if not self.vf_coef >= 0:
             raise ValueError(f"vf_coef must be >= 0, got {self.vf_coef!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOUpdateConfig(PPOConfig):
+    """The PPO update: ``PPOConfig`` plus the policy objective and microbatching.
+
+    loss: the policy objective; with ``kl_in="reward"`` and ``kl_coef > 0`` the KL to the
+        reference (on ``old_logp``) is subtracted from every token's reward (InstructGPT).
+    """
+
+    loss: loss_config.PolicyLossConfig = dataclasses.field(
+        default_factory=loss_config.PolicyLossConfig
+    )
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_microbatches(self.num_microbatches)
 
 
 def _check_microbatches(n: int) -> None:
@@ -279,8 +290,14 @@ def _finish(
         )
         ok = ok & jnp.isfinite(value_grad_norm)
         out["value_grad_norm"] = value_grad_norm
-    # Select leaf by leaf: a non-finite step leaves every array of the state as it was.
-    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+    # Select leaf by leaf: a non-finite step leaves every array of the state as it was. The
+    # frozen reference params never change, so they pass through (no select, no copy).
+    frozen = state.ref_params
+    new = jax.tree.map(
+        lambda n, o: jnp.where(ok, n, o),
+        new.replace(ref_params=None),
+        state.replace(ref_params=None),
+    ).replace(ref_params=frozen)
     out["grad_norm"] = grad_norm
     lr = _learning_rate(lr_schedule, state.step)
     if lr is not None:
@@ -290,15 +307,61 @@ def _finish(
     return new, {k: jnp.asarray(v, _f32) for k, v in out.items()}
 
 
-def _mesh_of(lm: Any) -> Any:
-    return getattr(lm, "mesh", None)
+def _make_update(
+    *,
+    spec: batch_lib.BatchSpec,
+    tx: optax.GradientTransformation,
+    lr_schedule: LRSchedule,
+    mesh: Any,
+    full_batch: Callable[[batch_lib.Batch], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any, Any], tuple[jax.Array, dict[str, jax.Array]]],
+    value_tx: optax.GradientTransformation | None = None,
+) -> Callable:
+    """The one update skeleton every factory shares.
+
+    ``full_batch(batch) -> (rows, consts)``: what must be computed on the FULL batch before it is
+    cut (loss denominators, PPO's GAE advantages) as ``consts``, and the per-row pytree ``rows``
+    that is split into microbatches. ``loss_fn(diff_params, microbatch_rows, consts)`` returns
+    this microbatch's share of the loss (already divided by the full-batch denominator) and its
+    metric sums. With ``value_tx`` the differentiated params are ``(params, value_params)`` and
+    the critic gets its own optimiser step. ``mesh`` (explicit; None on one device) keeps every
+    microbatch spread over the batch shards.
+    """
+
+    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
+        batch_lib.validate_batch(batch, spec)  # trace time only: shapes and dtypes are static
+        if value_tx is not None and state.value_params is None:
+            raise ValueError("this update trains a critic but the state has no value_params")
+        rows, consts = full_batch(batch)
+        mbs = split_microbatches(rows, spec.num_microbatches, mesh)
+        diff = state.params if value_tx is None else (state.params, state.value_params)
+        grads, metrics = accumulate_gradients(lambda p, mb: loss_fn(p, mb, consts), diff, mbs)
+        value_grads = None
+        if value_tx is not None:
+            grads, value_grads = grads
+        tokens = jnp.sum(batch.attention_mask.astype(_f32))
+        return _finish(
+            state,
+            grads,
+            metrics,
+            tx,
+            lr_schedule,
+            tokens,
+            value_grads=value_grads,
+            value_tx=value_tx,
+        )
+
+    update.batch_spec = spec
+    return update
 
 
 # ---------------------------------------------------------------------------------------------
 # Factories.
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, *, num_microbatches: int = 1) -> Callable:
+def make_logprob_fn(
+    graphdef: nnx.GraphDef, *, num_microbatches: int = 1, mesh: Any = None
+) -> Callable:
     """``(params, batch) -> (logp [B, T], entropy [B, T])``, float32, un-jitted (jit it).
 
     For old and reference log-probs: any params with the policy's graph definition (a frozen
@@ -324,7 +387,7 @@ def make_logprob_fn(graphdef: nnx.GraphDef, *, num_microbatches: int = 1) -> Cal
 
         if num_microbatches == 1:
             return one(inputs)
-        out = jax.lax.map(one, split_microbatches(inputs, num_microbatches, _mesh_of(lm)))
+        out = jax.lax.map(one, split_microbatches(inputs, num_microbatches, mesh))
         return merge_microbatches(out)
 
     return logprob_fn
@@ -336,6 +399,7 @@ def make_sft_update(
     cfg: SFTUpdateConfig | None = None,
     *,
     lr_schedule: LRSchedule = None,
+    mesh: Any = None,
 ) -> Callable:
     """Masked-NLL update: loss = sum_bt(-logp * loss_mask) / denominator, where the denominator
     is the full batch's loss-token count, or B * normalize_constant (CS336 ``masked_normalize``).
@@ -345,42 +409,36 @@ def make_sft_update(
       tx: optax transformation (``optim.make_optimizer``).
       cfg: loss and microbatching.
       lr_schedule: reported as ``metrics["learning_rate"]`` at ``state.step`` (optional).
+      mesh: the device mesh the batch is sharded over (None: no microbatch constraint).
     Returns:
       ``update(state, batch) -> (state, metrics)``, with ``update.batch_spec`` (the batch needs
       only input_ids, attention_mask, labels, loss_mask).
     """
     cfg = cfg or SFTUpdateConfig()
-    spec = batch_lib.BatchSpec(num_microbatches=cfg.num_microbatches)
 
-    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
-        batch_lib.validate_batch(batch, spec)
-        b = batch.input_ids.shape[0]
-        mask = batch.loss_mask
+    def full_batch(batch):
         if cfg.normalize_constant is None:
-            denom = jnp.maximum(jnp.sum(mask.astype(_f32)), 1.0)
+            denom = jnp.maximum(jnp.sum(batch.loss_mask.astype(_f32)), 1.0)
         else:
-            denom = jnp.asarray(b * cfg.normalize_constant, _f32)
+            denom = jnp.asarray(batch.input_ids.shape[0] * cfg.normalize_constant, _f32)
+        return batch, denom
 
-        def loss_fn(params, mb):
-            lm = nnx.merge(graphdef, params)
-            logp, ent, _ = token_logprobs(lm, mb)
-            nll = aggregation.masked_rows(-logp, mb.loss_mask)
-            loss = jnp.sum(nll) / denom
-            return loss, {
-                "loss": jax.lax.stop_gradient(loss),
-                "nll_sum": jax.lax.stop_gradient(jnp.sum(nll)),
-                "entropy_sum": jnp.sum(aggregation.masked_rows(ent, mb.loss_mask)),
-                "token_count": jnp.sum(mb.loss_mask.astype(_f32)),
-            }
+    def loss_fn(params, mb, denom):
+        lm = nnx.merge(graphdef, params)
+        logp, ent, _ = token_logprobs(lm, mb)
+        nll = aggregation.masked_rows(-logp, mb.loss_mask)
+        loss = jnp.sum(nll) / denom
+        return loss, {
+            "loss": jax.lax.stop_gradient(loss),
+            "nll_sum": jax.lax.stop_gradient(jnp.sum(nll)),
+            "entropy_sum": jnp.sum(aggregation.masked_rows(ent, mb.loss_mask)),
+            "token_count": jnp.sum(mb.loss_mask.astype(_f32)),
+        }
 
-        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
-        mbs = split_microbatches(batch, cfg.num_microbatches, lm_mesh)
-        grads, metrics = accumulate_gradients(loss_fn, state.params, mbs)
-        tokens = jnp.sum(batch.attention_mask.astype(_f32))
-        return _finish(state, grads, metrics, tx, lr_schedule, tokens)
-
-    update.batch_spec = spec
-    return update
+    spec = batch_lib.BatchSpec(num_microbatches=cfg.num_microbatches)
+    return _make_update(
+        spec=spec, tx=tx, lr_schedule=lr_schedule, mesh=mesh, full_batch=full_batch, loss_fn=loss_fn
+    )
 
 
 def make_expert_iteration_update(
@@ -389,6 +447,7 @@ def make_expert_iteration_update(
     cfg: SFTUpdateConfig | None = None,
     *,
     lr_schedule: LRSchedule = None,
+    mesh: Any = None,
 ) -> Callable:
     """Expert iteration (Anthony et al. 2017; the CS336 EI experiment): the SFT update, applied to
     batches of the policy's own rollouts that the verifier marked correct.
@@ -396,7 +455,7 @@ def make_expert_iteration_update(
     The filtering happens in the driver (keep completions with reward 1, tokenise them as SFT
     pairs); the update is exactly ``make_sft_update`` with the same arguments.
     """
-    return make_sft_update(graphdef, tx, cfg, lr_schedule=lr_schedule)
+    return make_sft_update(graphdef, tx, cfg, lr_schedule=lr_schedule, mesh=mesh)
 
 
 def _policy_spec(loss: loss_config.PolicyLossConfig, required: tuple[str, ...], n: int):
@@ -436,6 +495,7 @@ def make_grpo_update(
     cfg: GRPOUpdateConfig | None = None,
     *,
     lr_schedule: LRSchedule = None,
+    mesh: Any = None,
 ) -> Callable:
     """GRPO / policy-gradient update on per-sequence advantages (``policy_loss.policy_loss``).
 
@@ -445,26 +505,24 @@ def make_grpo_update(
     ``make_sft_update``.
     """
     cfg = cfg or GRPOUpdateConfig()
-    spec = _policy_spec(cfg.loss, ("advantages",), cfg.num_microbatches)
     entropy_grad = cfg.loss.entropy_coef != 0
 
-    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
-        batch_lib.validate_batch(batch, spec)
-        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss)
+    def full_batch(batch):
+        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss)
 
-        def loss_fn(params, mb):
-            lm = nnx.merge(graphdef, params)
-            logp, ent, _ = token_logprobs(lm, mb, entropy_grad=entropy_grad)
-            return _policy_terms(logp, ent, mb, mb.advantages, mb.loss_mask, cfg.loss, denom)
+    def loss_fn(params, mb, denom):
+        lm = nnx.merge(graphdef, params)
+        logp, ent, _ = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+        return _policy_terms(logp, ent, mb, mb.advantages, mb.loss_mask, cfg.loss, denom)
 
-        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
-        mbs = split_microbatches(batch, cfg.num_microbatches, lm_mesh)
-        grads, metrics = accumulate_gradients(loss_fn, state.params, mbs)
-        tokens = jnp.sum(batch.attention_mask.astype(_f32))
-        return _finish(state, grads, metrics, tx, lr_schedule, tokens)
-
-    update.batch_spec = spec
-    return update
+    return _make_update(
+        spec=_policy_spec(cfg.loss, ("advantages",), cfg.num_microbatches),
+        tx=tx,
+        lr_schedule=lr_schedule,
+        mesh=mesh,
+        full_batch=full_batch,
+        loss_fn=loss_fn,
+    )
 
 
 def ppo_advantages(batch: batch_lib.Batch, cfg: PPOUpdateConfig) -> tuple[jax.Array, jax.Array]:
@@ -502,6 +560,7 @@ def make_ppo_update(
     *,
     lr_schedule: LRSchedule = None,
     value_graphdef: nnx.GraphDef | None = None,
+    mesh: Any = None,
 ) -> Callable:
     """PPO update: clipped policy loss on GAE advantages + vf_coef * clipped value loss.
 
@@ -534,61 +593,50 @@ def make_ppo_update(
     entropy_grad = cfg.loss.entropy_coef != 0
     token_mean = dataclasses.replace(cfg.loss, aggregation="token_mean", norm_constant=None)
 
-    def update(state: state_lib.TrainState, batch: batch_lib.Batch):
-        batch_lib.validate_batch(batch, spec)
-        if state.value_params is None:
-            raise ValueError("make_ppo_update: the state has no value_params")
+    def full_batch(batch):
         adv_bt, returns_bt = ppo_advantages(batch, cfg)
         denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss)
         v_denom = aggregation.loss_denominator(batch.loss_mask, token_mean)
+        return (batch, adv_bt, returns_bt), (denom, v_denom)
 
-        def loss_fn(both, xs):
-            params, value_params = both
-            mb, adv, returns = xs
-            lm = nnx.merge(graphdef, params)
-            logp, ent, hidden = token_logprobs(lm, mb, entropy_grad=entropy_grad)
-            if separate:
-                # The critic's own trunk: no parameter in common with the policy, so each
-                # loss's gradient reaches only its own model.
-                values = value.value_model_values(
-                    value_graphdef, value_params, mb.input_ids, mb.attention_mask
-                )
-            else:
-                if cfg.trunk == "detached":
-                    hidden = jax.lax.stop_gradient(hidden)
-                values = value.values_from_hidden(value_params, hidden)
-            p_loss, metrics = _policy_terms(logp, ent, mb, adv, mb.loss_mask, cfg.loss, denom)
-            v_loss, v_metrics = gae.value_loss(
-                values, mb.old_values, returns, mb.loss_mask, cfg.value_clip, denominator=v_denom
+    def loss_fn(both, xs, consts):
+        params, value_params = both
+        mb, adv, returns = xs
+        denom, v_denom = consts
+        lm = nnx.merge(graphdef, params)
+        logp, ent, hidden = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+        if separate:
+            # The critic's own trunk: no parameter in common with the policy, so each loss's
+            # gradient reaches only its own model.
+            values = value.value_model_values(
+                value_graphdef, value_params, mb.input_ids, mb.attention_mask
             )
-            total = p_loss + cfg.vf_coef * v_loss
-            m = mb.loss_mask
-            metrics.update(v_metrics)
-            metrics.update(
-                loss=jax.lax.stop_gradient(total),
-                vf_loss=jax.lax.stop_gradient(v_loss),
-                advantage_mean_sum=jnp.sum(aggregation.masked_rows(adv, m)),
-                return_mean_sum=jnp.sum(aggregation.masked_rows(returns, m)),
-                value_mean_sum=jax.lax.stop_gradient(jnp.sum(aggregation.masked_rows(values, m))),
-            )
-            return total, metrics
-
-        lm_mesh = _mesh_of(nnx.merge(graphdef, state.params))
-        mbs = split_microbatches((batch, adv_bt, returns_bt), cfg.num_microbatches, lm_mesh)
-        (grads, value_grads), metrics = accumulate_gradients(
-            loss_fn, (state.params, state.value_params), mbs
+        else:
+            if cfg.trunk == "detached":
+                hidden = jax.lax.stop_gradient(hidden)
+            values = value.values_from_hidden(value_params, hidden)
+        p_loss, metrics = _policy_terms(logp, ent, mb, adv, mb.loss_mask, cfg.loss, denom)
+        v_loss, v_metrics = gae.value_loss(
+            values, mb.old_values, returns, mb.loss_mask, cfg.value_clip, denominator=v_denom
         )
-        tokens = jnp.sum(batch.attention_mask.astype(_f32))
-        return _finish(
-            state,
-            grads,
-            metrics,
-            tx,
-            lr_schedule,
-            tokens,
-            value_grads=value_grads,
-            value_tx=value_tx,
+        total = p_loss + cfg.vf_coef * v_loss
+        m = mb.loss_mask
+        metrics.update(v_metrics)
+        metrics.update(
+            loss=jax.lax.stop_gradient(total),
+            vf_loss=jax.lax.stop_gradient(v_loss),
+            advantage_mean_sum=jnp.sum(aggregation.masked_rows(adv, m)),
+            return_mean_sum=jnp.sum(aggregation.masked_rows(returns, m)),
+            value_mean_sum=jax.lax.stop_gradient(jnp.sum(aggregation.masked_rows(values, m))),
         )
+        return total, metrics
 
-    update.batch_spec = spec
-    return update
+    return _make_update(
+        spec=spec,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        mesh=mesh,
+        full_batch=full_batch,
+        loss_fn=loss_fn,
+        value_tx=value_tx,
+    )

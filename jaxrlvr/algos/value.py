@@ -68,16 +68,27 @@ def init_value_model(
       ``make_value_fn`` and ``updates.make_ppo_update`` as ``value_graphdef``) and
       ``{"backbone": nnx.State, "head": ValueParams}`` for ``TrainState.value_params``.
     """
+    value_graphdef, backbone = _critic(graphdef, params)
+    backbone = jax.tree.map(jnp.copy, backbone)
+    head = init_value_head(nnx.merge(value_graphdef, backbone).config.hidden_size, rng, std)
+    return value_graphdef, {"backbone": backbone, "head": head}
+
+
+def _critic(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """The policy split again without its LM head: (critic graph definition, backbone params)."""
     critic = nnx.merge(graphdef, params)
     if critic.lm_head is not None:
         # Drop the untied LM head; with lm_head None the class's invariant is "tied", which is
         # harmless here because the critic never calls lm_logits.
         critic.lm_head = None
         critic.config = dataclasses.replace(critic.config, tie_word_embeddings=True)
-    value_graphdef, backbone = nnx.split(critic, nnx.Param)
-    backbone = jax.tree.map(jnp.copy, backbone)
-    head = init_value_head(critic.config.hidden_size, rng, std)
-    return value_graphdef, {"backbone": backbone, "head": head}
+    return nnx.split(critic, nnx.Param)
+
+
+def critic_graphdef(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.GraphDef:
+    """The separate critic's graph definition (``init_value_model``'s first result) without
+    building a critic: ``params`` may be the policy's ``jax.ShapeDtypeStruct`` shapes."""
+    return _critic(graphdef, params)[0]
 
 
 def values_from_hidden(value_params: ValueParams, hidden_btd: jax.Array) -> jax.Array:

@@ -1,0 +1,212 @@
+"""The Algorithm records: one optimiser for init and update, the PPO critic through the record,
+prepare's device passes, and a bad rollout batch rejected once, on the host, before tracing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrlvr import model as M
+from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
+from jaxrlvr.algos import batch as batch_lib
+
+B, T = 8, 12
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = M.ModelConfig.tiny()
+    mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    graphdef, params = nnx.split(M.init_model(cfg, seed=0, mesh=mesh), nnx.Param)
+    return cfg, mesh, graphdef, params
+
+
+def _rollouts(vocab: int, seed: int = 0) -> batch_lib.Batch:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    loss_mask = np.zeros((B, T), np.float32)
+    loss_mask[:, 4:] = 1.0
+    return batch_lib.Batch(
+        input_ids=ids,
+        attention_mask=np.ones((B, T), np.int32),
+        labels=np.roll(ids, -1, axis=1),
+        loss_mask=loss_mask,
+        advantages=rng.normal(size=B).astype(np.float32),
+        rewards=rng.normal(size=B).astype(np.float32),
+        correct=np.asarray([1, 0, 1, 1, 0, 0, 1, 0], np.float32),
+        sampler_logp=np.full((B, T), -3.0, np.float32),
+    )
+
+
+def _copy(params):
+    # The compiled update donates the state; every test starts from its own buffers.
+    return jax.tree.map(jnp.copy, params)
+
+
+def _compiled(algo, params, mesh):
+    shape = jax.eval_shape(lambda p: algo.init(p, 0), params)
+    shardings = step.state_shardings(shape, mesh)
+    state = jax.device_put(algo.init(_copy(params), 0), shardings)
+    return state, step.CompiledAlgorithm(algo, mesh, shardings)
+
+
+def test_init_and_update_share_one_optimizer(setup):
+    """The record's update applies exactly the optimiser its init built: one SFT step equals a
+    hand-written optax step of the same OptimizerConfig on the same gradient."""
+    cfg, mesh, graphdef, params = setup
+    opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, weight_decay=0.1)
+    algo = algorithm.sft(graphdef, opt_cfg)
+    state = algo.init(_copy(params), 0)
+    tx = optim.make_optimizer(opt_cfg)
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(params))
+    rollouts = _rollouts(cfg.vocab_size)
+    batch, _ = algo.prepare(state, algorithm.select_fields(rollouts, algo.rollout_spec))
+    new, metrics = algo.update(state, batch)
+
+    def loss(p):
+        lm = nnx.merge(graphdef, p)
+        logp, _, _ = updates.token_logprobs(lm, batch)
+        return -jnp.sum(logp * batch.loss_mask) / jnp.sum(batch.loss_mask)
+
+    grads = jax.grad(loss)(params)
+    upd, _ = tx.update(grads, tx.init(params), params)
+    expected = optax.apply_updates(params, upd)
+    # Adam's first step is lr * g / (|g| + eps): where |g| is tiny, float summation order of the
+    # two gradient computations moves the step by up to ~1e-3 of lr = 1e-2; 2e-5 allows that.
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+    assert float(metrics["learning_rate"]) == pytest.approx(1e-2)
+
+
+def test_a_ready_optax_transformation_is_accepted(setup):
+    _, _, graphdef, params = setup
+    tx = optax.sgd(0.1)
+    algo = algorithm.grpo(graphdef, tx)
+    state = algo.init(_copy(params), 0)
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(params))
+    with pytest.raises(TypeError, match="optimizer: expected an OptimizerConfig"):
+        algorithm.sft(graphdef, {"learning_rate": 1e-3})
+
+
+@pytest.mark.parametrize("trunk", ["shared", "separate"])
+def test_ppo_critic_through_the_record(setup, trunk):
+    """init builds the critic (a zero head, or a copy of the policy's trunk plus a zero head);
+    prepare computes the rollout-time values; update trains the critic with its own optimiser."""
+    cfg, mesh, graphdef, params = setup
+    shape = jax.eval_shape(lambda p: p, params)
+    algo = algorithm.ppo(
+        graphdef,
+        optim.OptimizerConfig(learning_rate=1e-2),
+        updates.PPOUpdateConfig(trunk=trunk, vf_coef=1.0),
+        params_shape=shape,
+    )
+    state = algo.init(_copy(params), 0)
+    assert state.value_opt_state is not None
+    if trunk == "separate":
+        head = state.value_params["head"]
+        embed = state.value_params["backbone"]["model"]["embed_tokens"]["embedding"]
+        np.testing.assert_array_equal(
+            embed.get_value(), params["model"]["embed_tokens"]["embedding"].get_value()
+        )
+    else:
+        head = state.value_params
+    np.testing.assert_array_equal(np.asarray(head["kernel"]), 0.0)
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    batch, _ = algo.prepare(state, rollouts)
+    np.testing.assert_allclose(np.asarray(batch.old_values), 0.0)  # zero head: V = 0
+    assert batch.advantages is None and batch.rewards is not None
+    new, metrics = algo.update(state, batch)
+    assert float(metrics["vf_loss"]) > 0
+    new_head = new.value_params["head"] if trunk == "separate" else new.value_params
+    assert np.abs(np.asarray(new_head["bias"])) > 0  # the critic learned
+    with pytest.raises(ValueError, match="pass params_shape"):
+        algorithm.ppo(graphdef, optax.sgd(0.1), updates.PPOUpdateConfig(trunk="separate"))
+
+
+def test_grpo_prepare_runs_old_and_reference_passes(setup):
+    cfg, mesh, graphdef, params = setup
+    loss = loss_config.PolicyLossConfig(kl_coef=0.05)
+    algo = algorithm.grpo(graphdef, optax.sgd(0.1), updates.GRPOUpdateConfig(loss=loss))
+    state = algo.init(_copy(params), 0)
+    assert state.ref_params is not None
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    assert rollouts.rewards is None and rollouts.correct is None
+    batch, metrics = algo.prepare(state, rollouts)
+    expected, _ = updates.make_logprob_fn(graphdef)(params, rollouts)
+    np.testing.assert_allclose(np.asarray(batch.old_logp), np.asarray(expected), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.ref_logp), np.asarray(expected), atol=1e-6)
+    m = rollouts.loss_mask > 0
+    gap = np.abs(np.asarray(expected) - rollouts.sampler_logp)[m]
+    assert float(metrics["sampler_trainer_logprob_gap_mean"]) == pytest.approx(gap.mean(), 1e-5)
+    assert float(metrics["sampler_trainer_logprob_gap_max"]) == pytest.approx(gap.max(), 1e-5)
+    # Without a KL term there is no reference copy and no reference pass.
+    plain = algorithm.grpo(graphdef, optax.sgd(0.1))
+    assert plain.init(_copy(params), 0).ref_params is None
+
+
+def test_expert_iteration_trains_only_on_accepted_rows(setup):
+    cfg, mesh, graphdef, params = setup
+    algo = algorithm.expert_iteration(graphdef, optax.sgd(0.1))
+    rollouts = _rollouts(cfg.vocab_size)
+    state = algo.init(_copy(params), 0)
+    batch, _ = algo.prepare(state, algorithm.select_fields(rollouts, algo.rollout_spec))
+    assert batch.correct is None  # the update's batch holds only what it reads
+    kept = rollouts.correct > 0
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask)[~kept], 0.0)
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask)[kept], rollouts.loss_mask[kept])
+    _, metrics = algo.update(state, batch)
+    assert float(metrics["token_count"]) == rollouts.loss_mask[kept].sum()
+
+
+def test_bad_rollouts_rejected_once_before_tracing(setup):
+    """A missing or mistyped field fails on the host with one BatchError naming it; neither
+    prepare nor update is traced."""
+    cfg, mesh, graphdef, params = setup
+    algo = algorithm.grpo(graphdef, optax.sgd(0.1))
+    traces = []
+
+    def counting_prepare(state, rollouts):
+        traces.append(1)
+        return algo.prepare(state, rollouts)
+
+    state, compiled = _compiled(dataclasses.replace(algo, prepare=counting_prepare), params, mesh)
+    good = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    with pytest.raises(batch_lib.BatchError, match=r"batch\.advantages is required"):
+        compiled.prepare(state, good.replace(advantages=None))
+    with pytest.raises(batch_lib.BatchError, match=r"batch\.sampler_logp must be float32"):
+        compiled.prepare(state, good.replace(sampler_logp=good.sampler_logp.astype(np.float64)))
+    with pytest.raises(batch_lib.BatchError, match=r"batch\.rewards is not used by this update"):
+        compiled.prepare(state, good.replace(rewards=np.zeros(B, np.float32)))
+    assert traces == []
+    batch, _ = compiled.prepare(state, good)
+    assert traces == [1]
+
+
+def test_compiled_equals_uncompiled_and_compiles_once(setup):
+    """The jitted, donated, sharded step gives the un-jitted result, and a second step of the
+    same shape reuses the compiled programs; the state's structure and shardings are stable."""
+    cfg, mesh, graphdef, params = setup
+    # SGD: the step is linear in the gradient, so a tight tolerance tests the compiled path
+    # (Adam's first step g / (|g| + eps) would amplify summation-order noise where g ~ 0).
+    algo = algorithm.grpo(graphdef, optax.sgd(0.5), updates.GRPOUpdateConfig())
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    eager_state = algo.init(_copy(params), 0)
+    eager_batch, _ = algo.prepare(eager_state, rollouts)
+    eager_new, eager_m = algo.update(eager_state, eager_batch)
+
+    state, compiled = _compiled(algo, params, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch, _ = compiled.prepare(state, rollouts)
+    state, m = compiled.update(state, batch)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(eager_new.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(m["loss"]) == pytest.approx(float(eager_m["loss"]), rel=1e-5, abs=1e-6)
+    batch, _ = compiled.prepare(state, rollouts)
+    state, _ = compiled.update(state, batch)
+    assert compiled._prepare._cache_size() == 1
+    assert compiled._update._cache_size() == 1
+    assert jax.tree.map(lambda x: x.sharding, state) == shardings
