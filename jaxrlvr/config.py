@@ -100,7 +100,13 @@ class RewardSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerSection:
     """Rollouts: the embedded JAX sampler or vLLM servers (``vllm_urls``, or one jaxrlvr starts
-    with ``vllm_python``)."""
+    with ``vllm_python``).
+
+    ``vllm_host``: where a server jaxrlvr starts listens. It runs in vLLM's development mode
+    (per-step weight reload needs it), whose endpoints run methods on the workers, so a
+    non-loopback address is refused unless ``vllm_allow_remote_dev_endpoints`` says the network
+    is trusted.
+    """
 
     kind: Literal["jax", "vllm"] = "jax"
     temperature: float = 1.0
@@ -115,6 +121,18 @@ class SamplerSection:
     vllm_python: str | None = None
     vllm_max_model_len: int = 2048
     vllm_restart: bool = True
+    vllm_host: str = "127.0.0.1"
+    vllm_allow_remote_dev_endpoints: bool = False
+
+    def __post_init__(self):
+        from jaxrlvr.sampling import vllm_server
+
+        vllm_server.check_bind_host(
+            self.vllm_host,
+            self.vllm_allow_remote_dev_endpoints,
+            key="sampler.vllm_host",
+            allow_flag="sampler.vllm_allow_remote_dev_endpoints=true",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -199,6 +199,8 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     server = vllm_server.VLLMServer(
         model_dir,
         python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
+        host=s.vllm_host,
+        allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
         max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
         log_path=os.path.join(run_dir, "vllm_server.log"),
     )
@@ -215,8 +217,8 @@ def make_algorithm(
     mesh,
 ) -> algorithm_lib.Algorithm:
     """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
-    ``rl.algo`` string becomes code."""
-    if phase == "sft":
+    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's."""
+    if phase == "sft" or cfg.rl.algo == "none":
         sft_cfg = updates.SFTUpdateConfig(num_microbatches=cfg.sft.microbatches)
         return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
     rl = cfg.rl
@@ -231,7 +233,7 @@ def make_algorithm(
     if rl.algo == "expert_iteration":
         ei_cfg = updates.SFTUpdateConfig(num_microbatches=rl.microbatches)
         return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
-    raise ValueError(f"rl.algo={rl.algo!r} has no RL phase")
+    raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
 
 
 def shaping_config(cfg: config_lib.TrainConfig, rl_step: int) -> rollout.ShapingConfig:

@@ -195,44 +195,154 @@ def test_field_options_run_and_report(tmp_path):
     assert "length_reward_mean" not in rl[0] and "length_reward_mean" in rl[1]
 
 
-@pytest.mark.slow
-def test_sigkill_and_resume_gives_identical_params(tmp_path):
-    args = [
-        "configs/demo.yaml",
-        "sft.steps=4",
-        "rl.steps=6",
-        "eval.every=3",
-        "checkpoint.every=2",
-        *TINY,
-    ]
-    ref_dir = tmp_path / "uninterrupted"
-    _jaxrlvr("train", *args, f"run.out_dir={ref_dir}")
+# One schedule for the interruption tests: SFT 4 steps, RL 6 steps, a checkpoint every 2 steps.
+RESUME_ARGS = [
+    "configs/demo.yaml",
+    "sft.steps=4",
+    "rl.steps=6",
+    "eval.every=3",
+    "checkpoint.every=2",
+    *TINY,
+]
 
-    run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *args, f"run.out_dir={run_dir}"]
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference run the interrupted ones must match (run once for the module)."""
+    ref_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={ref_dir}")
+    return _final_params(ref_dir)
+
+
+def _start_and_wait_for_rl(run_dir, min_lines=7):
+    """Starts a training run and returns once it is in the RL phase past a checkpoint
+    (metrics line 7 = SFT 4 + RL 3 steps, past the step-6 checkpoint)."""
+    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *RESUME_ARGS, f"run.out_dir={run_dir}"]
     proc = subprocess.Popen(
-        cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 900
-    # Kill once the run is in the RL phase, past a checkpoint (step 6 = SFT 4 + RL 2).
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= min_lines:
             break
         time.sleep(0.2)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    _jaxrlvr("train", *args, f"run.out_dir={run_dir}", "--resume")
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    return proc
 
-    step_a, a = _final_params(ref_dir)
+
+def _assert_resumed_like(uninterrupted, run_dir):
+    step_a, a = uninterrupted
     step_b, b = _final_params(run_dir)
     assert step_a == step_b == 10
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 11))  # no duplicated or missing steps
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_gives_identical_params(tmp_path, uninterrupted):
+    run_dir = tmp_path / "killed"
+    proc = _start_and_wait_for_rl(run_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
+    _assert_resumed_like(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path, uninterrupted):
+    """A scheduler's preemption: SIGTERM during the RL phase saves a checkpoint between steps and
+    exits 0 within a bounded time; --resume then ends at the uninterrupted run's params."""
+    run_dir = tmp_path / "preempted"
+    proc = _start_and_wait_for_rl(run_dir)
+    lines_at_signal = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    # Bounded: the step in flight finishes (< 10 s on this tiny model) and one save follows.
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert time.time() - t0 < 120
+    saved_step, _ = _final_params(run_dir)
+    assert saved_step >= lines_at_signal  # the step in flight is not lost
+    assert f"SIGTERM: saved checkpoint step {saved_step} and stopped" in err
+    assert not (run_dir / "summary.json").exists()  # the run is not reported as finished
+    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
+    _assert_resumed_like(uninterrupted, run_dir)
+
+
+SFT_ONLY = ["configs/demo.yaml", "rl.algo=none", "eval.max_problems=4", *TINY]
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
+    """The newest checkpoint's array data is truncated: --resume says which step it skips and
+    why, continues from the older one, and the metrics hold each step once."""
+    run_dir = tmp_path / "run"
+    _jaxrlvr("train", *SFT_ONLY, "sft.steps=4", "checkpoint.every=2", f"run.out_dir={run_dir}")
+    newest = run_dir / "checkpoints" / "4" / "state"
+    data = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:16])
+    proc = _jaxrlvr(
+        "train",
+        *SFT_ONLY,
+        "sft.steps=6",
+        "checkpoint.every=2",
+        f"run.out_dir={run_dir}",
+        "--resume",
+    )
+    assert "checkpoint step 4 in" in proc.stderr and "trying the next older one" in proc.stderr
+    assert "resumed from checkpoint step 2" in proc.stderr
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 7))
+
+
+def test_existing_run_dir_is_refused_before_any_compute(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = '{"step": 1, "loss": 1.0}\n'
+    (run_dir / "metrics.jsonl").write_text(old)
+    proc = _jaxrlvr("train", *SFT_ONLY, f"run.out_dir={run_dir}", check=False, timeout=300)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert err == [
+        f"jaxrlvr train: error: run.out_dir={str(run_dir)!r} already holds a run (metrics.jsonl): "
+        "pass --resume to continue it or --overwrite to start over (the old run is moved aside)"
+    ]
+    assert (run_dir / "metrics.jsonl").read_text() == old
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_overwrite_moves_the_old_run_aside_and_starts_clean(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = '{"step": 1, "loss": 1.0}\n{"step": 44, "loss": 0.5}\n'
+    (run_dir / "metrics.jsonl").write_text(old)
+    proc = _jaxrlvr("train", *SFT_ONLY, "sft.steps=2", f"run.out_dir={run_dir}", "--overwrite")
+    assert "--overwrite: moved the previous run" in proc.stderr
+    (previous,) = run_dir.glob("previous-*")
+    assert (previous / "metrics.jsonl").read_text() == old
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+
+
+def test_config_refuses_a_public_dev_mode_vllm_bind(tmp_path):
+    proc = _jaxrlvr(
+        "train",
+        *SFT_ONLY,
+        f"run.out_dir={tmp_path}/run",
+        "sampler.vllm_host=0.0.0.0",
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "sampler.vllm_host='0.0.0.0': refusing to expose a dev-mode vLLM server" in line
+    assert "sampler.vllm_allow_remote_dev_endpoints=true" in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_config_is_a_one_line_error(tmp_path):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlvr.algos import loss_config
+from jaxrlvr.model import logprobs as logprobs_lib
 
 LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"]
 
@@ -76,16 +77,9 @@ def compute_entropy(logits: jax.Array) -> jax.Array:
       logits: floating [..., V]. Returns [...].
     """
     loss_config.expect_array(logits, "logits", rank={1, 2, 3, 4}, kind="float")
-    z = logits.astype(_f32)
-    # Shift by the max first: lse and sum(p * z) are then O(log V) and their difference does not
-    # cancel catastrophically for large logits.
-    zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    lse = jax.nn.logsumexp(zs, axis=-1, keepdims=True)
-    p = jnp.exp(zs - lse)
-    # A -inf logit has p = 0 and must contribute 0, in the value and in the gradient: replace its
-    # z before the product (a where() after it would still send 0 * inf = NaN backwards).
-    safe_zs = jnp.where(p > 0, zs, 0.0)
-    return lse[..., 0] - jnp.sum(p * safe_zs, axis=-1)
+    # Shifted by the max first (``model.logprobs``): the two terms are then O(log V) and their
+    # difference does not cancel catastrophically for large logits; -inf logits contribute 0.
+    return logprobs_lib.entropy(logits)
 
 
 def get_response_log_probs(
@@ -96,8 +90,8 @@ def get_response_log_probs(
     """Per-token log-probabilities of ``labels`` under ``logits`` (CS336 assignment 5).
 
     log_probs[b, t] = log_softmax(logits)[b, t, labels[b, t]] = z[labels] - logsumexp(z);
-    labels are already shifted (label t is the token after input t). Only the gathered values
-    and the [B, T] log-sum-exp are formed; no second [B, T, V] log-softmax array.
+    labels are already shifted (label t is the token after input t). Computed by
+    ``model.logprobs`` (shared with the trainer and the sampler): no [B, T, V] log-softmax array.
 
     Args:
       logits: floating [B, T, V] (the model output; the course calls the model itself).
@@ -108,13 +102,11 @@ def get_response_log_probs(
     """
     loss_config.expect_array(logits, "logits", rank=3, kind="float")
     loss_config.expect_array(labels, "labels", shape=logits.shape[:2], kind="int")
-    z = logits.astype(_f32)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    out = {"log_probs": picked - lse}
-    if return_token_entropy:
-        out["token_entropy"] = compute_entropy(z)
-    return out
+    labels = labels.astype(jnp.int32)
+    if not return_token_entropy:
+        return {"log_probs": logprobs_lib.label_logprobs(logits, labels)}
+    logp, ent = logprobs_lib.logprobs_and_entropy(logits, labels, entropy_grad=True)
+    return {"log_probs": logp, "token_entropy": ent}
 
 
 def tokenize_prompt_and_output(

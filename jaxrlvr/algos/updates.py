@@ -50,6 +50,7 @@ from flax import nnx
 from jaxrlvr.algos import aggregation, gae, kl, loss_config, policy_loss, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import logprobs as logprobs_lib
 from jaxrlvr.model import sharding
 
 _f32 = jnp.float32
@@ -154,30 +155,9 @@ def _check_microbatches(n: int) -> None:
 def logprobs_and_entropy(
     logits_btv: jax.Array, labels_bt: jax.Array, *, entropy_grad: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """log softmax(z)[label] and the entropy of softmax(z), float32 [B, T], in one pass over V.
-
-    With m = max(z) (no gradient), e = exp(z - m), s = sum(e):
-        logp = z[label] - (m + log s),   H = (m + log s) - sum(e * z) / s.
-    The label's logit is picked with a compare-and-sum (no gather, so the backward pass is an
-    elementwise select instead of a scatter), and the entropy reuses ``e``: XLA fuses the
-    whole thing into reductions over V without materialising another [B, T, V] array. The
-    entropy carries a gradient only when ``entropy_grad`` (an entropy bonus).
-    Same values as ``losses.get_response_log_probs(..., return_token_entropy=True)``.
-    """
-    z = logits_btv.astype(_f32)
-    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    zs = z - m
-    e = jnp.exp(zs)
-    s = jnp.sum(e, axis=-1)
-    log_s = jnp.log(s)
-    vocab_ids = jax.lax.broadcasted_iota(labels_bt.dtype, z.shape, z.ndim - 1)
-    picked = jnp.sum(jnp.where(vocab_ids == labels_bt[..., None], zs, 0.0), axis=-1)
-    ent_e, ent_zs, ent_s = (e, zs, s) if entropy_grad else jax.lax.stop_gradient((e, zs, s))
-    # where() before the product: a -inf logit has e = 0 and must contribute 0 (and a zero
-    # gradient), not 0 * -inf = NaN.
-    ent_zs = jnp.where(ent_e > 0, ent_zs, 0.0)
-    entropy = jnp.log(ent_s) - jnp.sum(ent_e * ent_zs, axis=-1) / ent_s
-    return picked - log_s, entropy
+    """log softmax(z)[label] and the entropy of softmax(z), float32 [B, T], in one pass over V
+    (``model.logprobs.logprobs_and_entropy``, shared with the sampler and ``losses``)."""
+    return logprobs_lib.logprobs_and_entropy(logits_btv, labels_bt, entropy_grad=entropy_grad)
 
 
 def token_logprobs_from_hidden(
