@@ -20,17 +20,8 @@ import numpy as np
 from jaxrlvr.algos import advantages as advantages_lib
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import loss_config, shaping
+from jaxrlvr.model.buckets import length_bucket
 from jaxrlvr.sampling.base import Completion
-
-
-def length_bucket(length: int, *, minimum: int = 16, maximum: int | None = None) -> int:
-    """Smallest power of two >= ``length`` (at least ``minimum``), capped at ``maximum``."""
-    bucket = minimum
-    while bucket < length:
-        bucket *= 2
-    if maximum is not None:
-        bucket = min(bucket, max(maximum, length))
-    return bucket
 
 
 @dataclasses.dataclass

@@ -47,24 +47,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrlvr import model as M
+from jaxrlvr.model.buckets import bucket
 from jaxrlvr.sampling import base, sample_ops
 
 DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 DEFAULT_GEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PAD_ID = -1  # never equal to a real token: pads the stop-id table
-
-
-def bucket(value: int, buckets: Sequence[int], *, multiple_of: int = 1) -> int:
-    """Smallest bucket >= value (rounded up to `multiple_of`); past the largest bucket, the next
-    multiple of the largest bucket, so that any size works with a bounded number of programs."""
-    for b in sorted(buckets):
-        b = -(-b // multiple_of) * multiple_of
-        if b >= value:
-            return b
-    top = max(buckets)
-    top = -(-top // multiple_of) * multiple_of
-    return -(-value // top) * top
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int = 0):

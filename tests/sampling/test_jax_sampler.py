@@ -289,11 +289,3 @@ def test_update_weights_changes_outputs(ckpt, lm):
         np.testing.assert_allclose(c.logprobs, ref, atol=1e-4)
     with pytest.raises(ValueError, match="weights tree"):
         s.update_weights({"not": "params"})
-
-
-def test_bucket():
-    assert jax_sampler.bucket(5, (4, 8, 16)) == 8
-    assert jax_sampler.bucket(8, (4, 8, 16)) == 8
-    assert jax_sampler.bucket(17, (4, 8, 16)) == 32
-    assert jax_sampler.bucket(3, (1, 2, 4), multiple_of=4) == 4
-    assert jax_sampler.bucket(6, (1, 2, 4), multiple_of=4) == 8
