@@ -41,6 +41,8 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from jaxrlvr.model import logprobs
+
 LogprobsMode = Literal["processed", "temperature"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
@@ -144,18 +146,11 @@ def sample(
     logits_bv = logits_bv.astype(jnp.float32)
     if greedy:
         tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-        return tokens, token_logprobs(logits_bv, tokens)
+        return tokens, logprobs.label_logprobs(logits_bv, tokens)
     scaled = logits_bv / temperature
     filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, use_top_p=use_top_p)
     tokens, _ = inverse_cdf_draw(filtered, key)
     # A separate logsumexp rather than log(cdf[-1]): a running float32 sum over a 150k
     # vocabulary can drift by ~1e-5, the tolerance the trainer's logprob comparison uses.
     source = filtered if logprobs_mode == "processed" else scaled
-    return tokens, token_logprobs(source, tokens)
-
-
-def token_logprobs(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
-    """log_softmax(logits_bv)[b, tokens_b[b]] [B], without materialising the [B, V] log-softmax."""
-    lse = jax.nn.logsumexp(logits_bv, axis=-1)
-    picked = jnp.take_along_axis(logits_bv, tokens_b[:, None], axis=-1)[:, 0]
-    return picked - lse
+    return tokens, logprobs.label_logprobs(source, tokens)
