@@ -77,6 +77,7 @@ def _key(rng: jax.Array | int) -> jax.Array:
 def select_fields(batch: batch_lib.Batch, spec: batch_lib.BatchSpec) -> batch_lib.Batch:
     """``batch`` with every field that ``spec`` neither requires nor uses set to None."""
     keep = set(batch_lib.BASE_FIELDS) | set(spec.required) | set(spec.optional)
+    keep |= set(batch_lib.PACKING_FIELDS)  # every update reads packed rows
     return batch.replace(**{f.name: None for f in dataclasses.fields(batch) if f.name not in keep})
 
 
@@ -136,8 +137,9 @@ def expert_iteration(
     """Expert iteration (Anthony et al. 2017; the CS336 EI experiment): SFT on the policy's own
     rollouts that the verifier accepted.
 
-    Rollouts carry ``correct`` [B] (1 = accepted); ``prepare`` zeroes the loss mask of every
-    other row, so rejected completions add nothing to the loss or its token count.
+    Rollouts carry ``correct`` [B] (1 = accepted; per token [B, T] in packed rows); ``prepare``
+    zeroes the loss mask of every other sequence, so rejected completions add nothing to the
+    loss or its token count.
     """
     inner = sft(graphdef, optimizer, cfg, mesh=mesh)
     spec = inner.batch_spec
@@ -145,7 +147,8 @@ def expert_iteration(
 
     def prepare(state, rollouts):
         del state
-        keep = (rollouts.correct > 0)[:, None]
+        correct = rollouts.correct  # [B], or per token [B, T] in packed rows
+        keep = (correct > 0) if correct.ndim == 2 else (correct > 0)[:, None]
         mask = jnp.where(keep, rollouts.loss_mask, jnp.zeros_like(rollouts.loss_mask))
         return select_fields(rollouts.replace(loss_mask=mask), spec), {}
 
@@ -165,6 +168,15 @@ def _policy_rollout_spec(
         optional=() if tis else ("sampler_logp",),
         num_microbatches=num_microbatches,
     )
+
+
+def _policy_passes(logprob_fn, state, rollouts) -> tuple[batch_lib.Batch, Metrics]:
+    """The rollouts with ``old_logp`` (the current policy's) and, when the state holds a KL
+    reference, ``ref_logp``; plus the sampler/trainer gap metrics."""
+    old_logp, _ = logprob_fn(state.params, rollouts)
+    ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
+    metrics = logprob_gap_metrics(old_logp, rollouts.sampler_logp, rollouts.loss_mask)
+    return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), metrics
 
 
 def _reference(params: nnx.State, needed: bool) -> nnx.State | None:
@@ -192,7 +204,9 @@ def grpo(
     tx, schedule = _optimizer(optimizer)
     update = updates.make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
     chunks = logprob_microbatches or cfg.num_microbatches
-    logprob_fn = updates.make_logprob_fn(graphdef, num_microbatches=chunks, mesh=mesh)
+    logprob_fn = updates.make_logprob_fn(
+        graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
+    )
     needs_ref = cfg.loss.kl_coef > 0
 
     def init(params, rng=0):
@@ -201,10 +215,7 @@ def grpo(
         )
 
     def prepare(state, rollouts):
-        old_logp, _ = logprob_fn(state.params, rollouts)
-        ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
-        batch = rollouts.replace(old_logp=old_logp, ref_logp=ref_logp)
-        metrics = logprob_gap_metrics(old_logp, rollouts.sampler_logp, rollouts.loss_mask)
+        batch, metrics = _policy_passes(logprob_fn, state, rollouts)
         return select_fields(batch, update.batch_spec), metrics
 
     return Algorithm(
@@ -253,7 +264,9 @@ def ppo(
         mesh=mesh,
     )
     chunks = logprob_microbatches or cfg.num_microbatches
-    logprob_fn = updates.make_logprob_fn(graphdef, num_microbatches=chunks, mesh=mesh)
+    logprob_fn = updates.make_logprob_fn(
+        graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
+    )
     value_fn = value.make_value_fn(graphdef, value_graphdef=value_graphdef)
     needs_ref = cfg.loss.kl_coef > 0
 
@@ -276,11 +289,8 @@ def ppo(
         )
 
     def prepare(state, rollouts):
-        old_logp, _ = logprob_fn(state.params, rollouts)
-        ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
-        old_values = value_fn(state.params, state.value_params, rollouts)
-        batch = rollouts.replace(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values)
-        metrics = logprob_gap_metrics(old_logp, rollouts.sampler_logp, rollouts.loss_mask)
+        batch, metrics = _policy_passes(logprob_fn, state, rollouts)
+        batch = batch.replace(old_values=value_fn(state.params, state.value_params, rollouts))
         return select_fields(batch, update.batch_spec), metrics
 
     return Algorithm(
