@@ -97,6 +97,10 @@ class RewardSection:
     num_workers: int = 2
 
 
+VLLMDevice = Literal["auto", "cpu", "cuda"]
+VLLMDType = Literal["auto", "float32", "bfloat16"]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerSection:
     """Rollouts: the embedded JAX sampler or vLLM servers (``vllm_urls``, or one jaxrlvr starts
@@ -106,6 +110,18 @@ class SamplerSection:
     (per-step weight reload needs it), whose endpoints run methods on the workers, so a
     non-loopback address is refused unless ``vllm_allow_remote_dev_endpoints`` says the network
     is trusted.
+
+    GPU placement of the servers jaxrlvr starts (``jaxrlvr.placement``; README "Running on GPUs"):
+    ``vllm_device``: "cpu", "cuda", or "auto" (cuda when GPUs are visible and ``JAX_PLATFORMS``
+    does not pin JAX to the CPU). ``vllm_gpus``: GPU numbers (positions in the GPUs visible at
+    start) the servers get, split into ``vllm_num_servers`` equal groups, one server with
+    ``--tensor-parallel-size`` = group size per group; default: the last ``vllm_num_servers`` GPUs
+    (all GPUs when colocated). The trainer's JAX sees the other GPUs only, unless
+    ``vllm_colocate``: then trainer and servers share GPUs, JAX keeps
+    ``vllm_trainer_memory_fraction`` of each (default 0.5) and each server
+    ``vllm_gpu_memory_utilization`` (default 0.35; 0.9 on GPUs of its own).
+    ``vllm_dtype``: "auto" (float32 on the CPU, bfloat16 on GPUs), "float32" or "bfloat16"; the
+    per-step weight export uses it too. ``vllm_extra_args``: more api_server flags.
     """
 
     kind: Literal["jax", "vllm"] = "jax"
@@ -123,8 +139,17 @@ class SamplerSection:
     vllm_restart: bool = True
     vllm_host: str = "127.0.0.1"
     vllm_allow_remote_dev_endpoints: bool = False
+    vllm_device: VLLMDevice = "auto"
+    vllm_gpus: tuple[int, ...] = ()
+    vllm_num_servers: int = 1
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_dtype: VLLMDType = "auto"
+    vllm_extra_args: tuple[str, ...] = ()
+    vllm_colocate: bool = False
+    vllm_trainer_memory_fraction: float | None = None
 
     def __post_init__(self):
+        from jaxrlvr import placement
         from jaxrlvr.sampling import vllm_server
 
         vllm_server.check_bind_host(
@@ -133,6 +158,35 @@ class SamplerSection:
             key="sampler.vllm_host",
             allow_flag="sampler.vllm_allow_remote_dev_endpoints=true",
         )
+        loss_config.check_literal("sampler.vllm_device", self.vllm_device, VLLMDevice)
+        loss_config.check_literal("sampler.vllm_dtype", self.vllm_dtype, VLLMDType)
+        if self.vllm_num_servers < 1:
+            raise ValueError(f"sampler.vllm_num_servers={self.vllm_num_servers}: must be >= 1")
+        gpus = list(self.vllm_gpus)
+        if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+            raise ValueError(f"sampler.vllm_gpus={gpus!r}: expected distinct GPU numbers >= 0")
+        if gpus and self.vllm_device == "cpu":
+            raise ValueError(f"sampler.vllm_gpus={gpus!r}: needs sampler.vllm_device cuda or auto")
+        if gpus and self.vllm_urls:
+            raise ValueError(
+                f"sampler.vllm_gpus={gpus!r}: only for servers jaxrlvr starts, not with "
+                "sampler.vllm_urls"
+            )
+        if gpus:
+            placement.split_groups(gpus, self.vllm_num_servers)
+        for key in ("vllm_gpu_memory_utilization", "vllm_trainer_memory_fraction"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"sampler.{key}={value!r}: expected a fraction in (0, 1]")
+        if self.vllm_colocate:
+            fraction = self.vllm_trainer_memory_fraction or placement.COLOCATED_TRAINER_FRACTION
+            util = self.vllm_gpu_memory_utilization or placement.COLOCATED_SERVER_UTILIZATION
+            if fraction + util > placement.MAX_COLOCATED_SUM:
+                raise ValueError(
+                    f"sampler.vllm_colocate: vllm_trainer_memory_fraction={fraction:g} + "
+                    f"vllm_gpu_memory_utilization={util:g} = {fraction + util:g} leaves no room "
+                    f"for the CUDA contexts; keep the sum <= {placement.MAX_COLOCATED_SUM:g}"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ Left out on purpose: asynchronous (off-policy) rollouts; sampling and training a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -40,7 +41,7 @@ from flax import nnx
 
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, interrupt, preflight, rollout
+from jaxrlvr import configlib, interrupt, placement, preflight, rollout
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
@@ -185,27 +186,54 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
     s = cfg.sampler
+    plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
     if s.vllm_urls:
-        return vllm_sampler.VLLMSampler(model.config, list(s.vllm_urls), tokenizer)
-    # Start our own server on the current weights; it is restarted on the latest ones if it dies.
+        return vllm_sampler.VLLMSampler(
+            model.config, list(s.vllm_urls), tokenizer, export_dtype=plan.dtype
+        )
+    # Start our own servers on the current weights (one per GPU group of the placement); a server
+    # that dies is restarted on the latest weights. The model directory, which every step's
+    # export then overwrites, lives on tmpfs (/dev/shm) when there is one: a memory copy.
     from jaxrlvr.sampling import weight_export
 
-    model_dir = os.path.join(run_dir, "vllm_model")
-    if os.path.isdir(model_dir):
-        shutil.rmtree(model_dir)
-    weight_export.export_weights(model.config, nnx.state(model, nnx.Param), model_dir)
-    tokenizer.save_pretrained(model_dir)
-    log(f"starting a vLLM server on {model_dir} (log: {run_dir}/vllm_server.log)")
-    server = vllm_server.VLLMServer(
-        model_dir,
-        python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
-        host=s.vllm_host,
-        allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
-        max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
-        log_path=os.path.join(run_dir, "vllm_server.log"),
+    model_dir = weight_export.default_export_dir("jaxrlvr-vllm-model-")
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
+    weight_export.export_weights(
+        model.config, nnx.state(model, nnx.Param), model_dir, dtype=plan.dtype
     )
+    tokenizer.save_pretrained(model_dir)
+    groups = plan.server_gpus or ((),) * s.vllm_num_servers
+    logs = [
+        os.path.join(run_dir, "vllm_server.log" if i == 0 else f"vllm_server_{i}.log")
+        for i in range(len(groups))
+    ]
+    log(f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})")
+    servers = [
+        vllm_server.VLLMServer(
+            model_dir,
+            python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
+            host=s.vllm_host,
+            allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
+            max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
+            dtype=plan.dtype,
+            device=plan.device,
+            gpus=gpus,
+            gpu_memory_utilization=plan.gpu_memory_utilization
+            or vllm_server.DEFAULT_GPU_MEMORY_UTILIZATION,
+            extra_args=s.vllm_extra_args,
+            log_path=log_path,
+            start=False,
+        )
+        for gpus, log_path in zip(groups, logs)
+    ]
+    vllm_server.start_servers(servers)
     return vllm_sampler.VLLMSampler(
-        model.config, [server], tokenizer, restart_dead_servers=s.vllm_restart
+        model.config,
+        servers,
+        tokenizer,
+        restart_dead_servers=s.vllm_restart,
+        export_dir=model_dir,
+        export_dtype=plan.dtype,
     )
 
 
@@ -313,7 +341,10 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         from jaxrlvr import distributed
 
+        # GPUs for the vLLM servers and for JAX, set before JAX's backend starts (placement).
+        self.placement = placement.place_trainer(cfg.sampler)
         distributed.initialize(cfg.distributed)
+        placement.check_jax_devices(self.placement)
         self.mesh = model_lib.make_mesh(cfg.mesh)
         self.tokenizer = build_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -690,6 +721,7 @@ def run(
     Everything the run will read is checked first (``preflight``): an ``out_dir`` that already
     holds a run is refused unless ``resume`` (continue it) or ``overwrite`` (move it aside).
     """
+    placement.place_trainer(cfg.sampler)  # before jax.process_index() starts the backend
     cfg = preflight.check(
         cfg, mode="train", resume=resume, overwrite=overwrite and jax.process_index() == 0
     )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
@@ -378,9 +379,19 @@ def load_hf(
 # Saving
 
 
-def hf_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
-    """HF tensor name -> numpy array (HF layout, parameter storage dtype), one device transfer."""
-    host = jax.device_get(nnx.to_pure_dict(params))
+def hf_state_dict(
+    cfg: ModelConfig, params: nnx.State, *, dtype: DTypeLike | None = None
+) -> dict[str, np.ndarray]:
+    """HF tensor name -> numpy array (HF layout), one device transfer.
+
+    ``dtype``: cast on the device before the transfer (e.g. bfloat16 for a bf16 vLLM server:
+    half the bytes to move and write); None keeps the parameter storage dtype.
+    """
+    pure = nnx.to_pure_dict(params)
+    if dtype is not None:
+        target = jnp.dtype(dtype_name(dtype, argument="hf_state_dict(dtype=...)"))
+        pure = jax.tree.map(lambda x: x.astype(target) if x.dtype != target else x, pure)
+    host = jax.device_get(pure)
     out: dict[str, np.ndarray] = {}
     for entry in _active_tensors(cfg):
         arr = host
@@ -476,6 +487,7 @@ def save_hf_params(
     config: Literal["always", "if_missing", "never"] = "always",
     tokenizer_src=None,
     max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
+    dtype: DTypeLike | None = None,
 ) -> dict[str, float]:
     """Writes ``params`` as a Hugging Face checkpoint directory: the one HF writer.
 
@@ -491,6 +503,7 @@ def save_hf_params(
         into the same directory skips it), or "never".
       tokenizer_src: a tokenizer directory or object whose files are copied alongside.
       max_shard_bytes: split the safetensors above this size (None: always one file).
+      dtype: the tensors' dtype in the files (and config.json's ``dtype``); None: storage dtype.
 
     Returns:
       ``to_host_s`` (device -> NumPy in HF layout), ``write_s`` (files), ``num_params`` and
@@ -499,14 +512,17 @@ def save_hf_params(
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     t0 = time.perf_counter()
-    tensors = hf_state_dict(cfg, params)
+    tensors = hf_state_dict(cfg, params, dtype=dtype)
     if untied and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     t1 = time.perf_counter()
     save_state_dict(tensors, path, max_shard_bytes=max_shard_bytes)
     config_file = os.path.join(path, "config.json")
     if config == "always" or (config == "if_missing" and not os.path.exists(config_file)):
-        _atomic_write_json(cfg.to_hf_config(untied=untied), config_file)
+        hf = cfg.to_hf_config(untied=untied)
+        if dtype is not None:
+            hf["dtype"] = dtype_name(dtype)
+        _atomic_write_json(hf, config_file)
     if tokenizer_src is not None:
         copy_tokenizer(tokenizer_src, path)
     t2 = time.perf_counter()

@@ -155,6 +155,8 @@ class VLLMSampler:
       max_concurrency: most HTTP requests in flight.
       weight_transfer: "disk" (safetensors + reload_weights; works everywhere) or "nccl" (vLLM's
         GPU weight-transfer engine; not implemented in this build).
+      export_dtype: the dtype weights are exported in: the servers' (bfloat16 on GPUs); None
+        keeps the parameters' storage dtype.
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class VLLMSampler:
         export_dir: str | os.PathLike | None = None,
         max_concurrency: int = 64,
         weight_transfer: WeightTransfer = "disk",
+        export_dtype: str | None = None,
     ):
         if weight_transfer not in _WEIGHT_TRANSFERS:
             raise ValueError(
@@ -195,6 +198,7 @@ class VLLMSampler:
         self.backoff_s = backoff_s
         self.restart_dead_servers = restart_dead_servers
         self.weight_transfer = weight_transfer
+        self.export_dtype = export_dtype
         self._targets = [
             _Target(url=s.url, server=s)
             if isinstance(s, vllm_server.VLLMServer)
@@ -390,7 +394,9 @@ class VLLMSampler:
         # Pausing waits for in-flight requests to finish: let it happen while the export runs.
         pauses = [self._pool.submit(self._pause_one, t) for t in self._targets]
         try:
-            timings = weight_export.export_weights(self.cfg, weights, self.export_dir)
+            timings = weight_export.export_weights(
+                self.cfg, weights, self.export_dir, dtype=self.export_dtype
+            )
         except BaseException:
             concurrent.futures.wait(pauses)
             for t in self._targets:  # best effort: keep serving the old weights

@@ -12,7 +12,14 @@ flags that per-step weight reload needs:
 - ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution that was
   sampled from (after temperature, top-k, top-p), which is what importance ratios need; vLLM's
   default (``raw_logprobs``) returns pre-temperature values.
-- ``--enforce-eager`` and ``--dtype float32`` (the CPU build; float32 logprobs match the trainer's).
+- on the CPU (``device="cpu"``, the default): ``--enforce-eager``, ``--dtype float32`` (float32
+  logprobs match the trainer's) and a fixed KV cache (``--kv-cache-memory-bytes``);
+- on GPUs (``device="cuda"``): the server sees only its own GPUs (``CUDA_VISIBLE_DEVICES`` =
+  ``gpus``), shards the model over them (``--tensor-parallel-size`` = ``len(gpus)``), takes
+  ``--gpu-memory-utilization`` of each GPU's memory for weights, activations and KV cache, runs
+  in ``--dtype bfloat16`` and keeps CUDA graphs (no ``--enforce-eager``).
+
+Which GPUs each server gets, and what the trainer's JAX keeps, is decided by `jaxrlvr.placement`.
 
 `serve_vllm_main(argv)` is the body of ``jaxrlvr serve-vllm``. Not here: the HTTP client and weight
 sync (`vllm_sampler`), and installing vLLM (``scripts/setup_vllm.sh``).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import concurrent.futures
 import ipaddress
 import os
 import signal
@@ -37,7 +45,12 @@ from collections.abc import Sequence
 import httpx
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SERVED_MODEL_NAME = "jaxrlvr-policy"
+DEVICES = ("cpu", "cuda")
+# The server's dtype when none is given: float32 on the CPU (logprobs match the trainer's float32
+# ones), bfloat16 on GPUs (what the tensor cores run; weights are exported in it too).
+DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 # Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
 # also means they outlive an interpreter that exits without stopping them; stop them at exit.
@@ -159,8 +172,14 @@ class VLLMServer:
       allow_remote_dev_endpoints: accept a non-loopback `host` (trusted networks only).
       port: TCP port; 0 picks a free one.
       max_model_len: longest prompt + completion the server accepts.
-      dtype: model dtype on the server.
-      kv_cache_bytes: KV-cache size (``--kv-cache-memory-bytes``).
+      dtype: model dtype on the server (default: float32 on the CPU, bfloat16 on GPUs).
+      kv_cache_bytes: KV-cache size (``--kv-cache-memory-bytes``; CPU only: on GPUs the cache
+        takes what `gpu_memory_utilization` leaves after weights and activations).
+      device: "cpu" (the CPU build of vLLM, eager) or "cuda" (GPUs, CUDA graphs).
+      gpus: on "cuda", the GPUs this server gets (entries of the launcher's
+        ``CUDA_VISIBLE_DEVICES``: indices or UUIDs); the model is split over them with tensor
+        parallelism. Empty: the inherited ``CUDA_VISIBLE_DEVICES`` and one GPU.
+      gpu_memory_utilization: on "cuda", the fraction of each GPU's memory the server may take.
       tokenizer: tokenizer directory; defaults to `model_dir`, and is kept across `restart` so
         that a restart can point `model_dir` at a weights-only export.
       extra_args: more command-line flags for the api_server.
@@ -177,8 +196,11 @@ class VLLMServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_model_len: int = 512,
-        dtype: str = "float32",
+        dtype: str | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        device: str = "cpu",
+        gpus: Sequence[int | str] = (),
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         tokenizer: str | os.PathLike | None = None,
         extra_args: Sequence[str] = (),
         log_path: str | os.PathLike | None = None,
@@ -192,12 +214,23 @@ class VLLMServer:
             key="VLLMServer: host",
             allow_flag="allow_remote_dev_endpoints=True",
         )
+        if device not in DEVICES:
+            raise ValueError(f"VLLMServer: device={device!r}; expected one of {DEVICES}")
+        if gpus and device != "cuda":
+            raise ValueError(f"VLLMServer: gpus={list(gpus)!r} needs device='cuda'")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"VLLMServer: gpu_memory_utilization={gpu_memory_utilization!r}; expected (0, 1]"
+            )
+        self.device = device
+        self.gpus = tuple(str(g) for g in gpus)
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.model_dir = os.fspath(model_dir)
         self.python = python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable
         self.host = host
         self.port = port or pick_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
         self.max_model_len = max_model_len
-        self.dtype = dtype
+        self.dtype = dtype or DEFAULT_DTYPE[device]
         self.kv_cache_bytes = kv_cache_bytes
         self.tokenizer = os.fspath(tokenizer) if tokenizer is not None else self.model_dir
         self.extra_args = tuple(extra_args)
@@ -221,7 +254,21 @@ class VLLMServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(1, len(self.gpus))
+
     def command(self) -> list[str]:
+        """The api_server command line (CPU: eager, fixed KV cache; GPU: see the class doc)."""
+        if self.device == "cpu":
+            memory = ["--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--enforce-eager"]
+        else:
+            memory = [
+                "--tensor-parallel-size",
+                str(self.tensor_parallel_size),
+                "--gpu-memory-utilization",
+                str(self.gpu_memory_utilization),
+            ]
         return [
             self.python,
             "-m",
@@ -240,9 +287,7 @@ class VLLMServer:
             self.dtype,
             "--max-model-len",
             str(self.max_model_len),
-            "--kv-cache-memory-bytes",
-            str(self.kv_cache_bytes),
-            "--enforce-eager",
+            *memory,
             "--logprobs-mode",
             "processed_logprobs",
             *self.extra_args,
@@ -258,6 +303,13 @@ class VLLMServer:
             VLLM_HOST_IP=env.get("VLLM_HOST_IP", "127.0.0.1"),
             HF_HUB_OFFLINE="1",
         )
+        if self.device == "cuda":
+            env["VLLM_TARGET_DEVICE"] = "cuda"
+            # The trainer's JAX memory settings are not the server's business.
+            for key in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
+                env.pop(key, None)
+            if self.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         return env
 
     def start(self) -> None:
@@ -373,14 +425,44 @@ class VLLMServer:
             pass
 
 
-def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
-    """``jaxrlvr serve-vllm --model DIR [--python PATH] [--port N] [--host H]``.
+def start_servers(servers: Sequence[VLLMServer]) -> None:
+    """Starts several servers at once (each takes a minute or more to load and, on GPUs, to
+    capture CUDA graphs) and waits for all; if one fails, stops the others and re-raises."""
+    if len(servers) == 1:
+        servers[0].start()
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        futures = [pool.submit(s.start) for s in servers]
+        concurrent.futures.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
 
-    Blocks until Ctrl-C (returns 0) or until the server dies (returns 1).
+
+def _comma_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU numbers like 0,1; got {text!r}") from None
+
+
+def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
+    """``jaxrlvr serve-vllm --model DIR [--python PATH] [--port N] [--host H] [--device D]
+    [--gpus 0,1] [--num-servers N] [--gpu-memory-utilization F] [--dtype T] [vLLM flags]``.
+
+    The options of ``sampler.vllm_*`` in a config: ``--gpus`` split into ``--num-servers`` equal
+    groups, one server per group with ``--tensor-parallel-size`` = group size, on ports
+    ``--port``, ``--port``+1, ...; default on GPUs: the first ``--num-servers`` GPUs, one each.
+    Flags this command does not know go to every api_server (``sampler.vllm_extra_args``).
+    Blocks until Ctrl-C (returns 0) or until a server dies (returns 1).
     """
+    from jaxrlvr import placement
+
     parser = argparse.ArgumentParser(
         prog="jaxrlvr serve-vllm",
-        description="Start vLLM's OpenAI-compatible server with the flags jaxrlvr's weight sync "
+        description="Start vLLM's OpenAI-compatible server(s) with the flags jaxrlvr's weight sync "
         "needs (dev mode, processed logprobs). Dev mode exposes worker RPC: keep the default "
         "host 127.0.0.1 unless the network is trusted.",
     )
@@ -401,40 +483,111 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
-    parser.add_argument("--log", default=None, help="server log file (default: a temp file)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda when GPUs are visible (and JAX_PLATFORMS does not say cpu), else cpu",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=_comma_ints,
+        default=(),
+        help="GPU numbers (positions in CUDA_VISIBLE_DEVICES) for the servers, e.g. 0,1",
+    )
+    parser.add_argument("--num-servers", type=int, default=1, help="servers (GPU groups)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="fraction of each GPU's memory a server takes (GPU only)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="auto: float32 on the CPU, bfloat16 on GPUs",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES, help="KV cache (CPU only)"
+    )
+    parser.add_argument(
+        "--log", default=None, help="server log file (default: a temp file; .N added per server)"
+    )
     args, extra = parser.parse_known_args(argv)
     check_bind_host(args.host, args.allow_remote_dev_endpoints)
+    servers = plan_servers(args, extra, placement.host_gpus())
     # `kill PID` should stop the server too, not only Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C stops it even when started from a shell that ignores SIGINT for background jobs
     # (Python then inherits SIG_IGN and would never raise KeyboardInterrupt).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"jaxrlvr serve-vllm: starting vLLM for {args.model} ...", flush=True)
-    server = VLLMServer(
-        args.model,
-        python=args.python,
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_bytes,
-        extra_args=extra,
-        log_path=args.log,
-        allow_remote_dev_endpoints=args.allow_remote_dev_endpoints,
-    )
-    print(f"jaxrlvr serve-vllm: ready at {server.url} (log {server.log_path})", flush=True)
+    print(f"jaxrlvr serve-vllm: starting {len(servers)} vLLM server(s) for {args.model} ...",
+          flush=True)  # fmt: skip
     try:
-        while server.alive():
+        start_servers(servers)
+        for s in servers:
+            where = f" on GPU {','.join(s.gpus)}" if s.gpus else ""
+            print(f"jaxrlvr serve-vllm: ready at {s.url}{where} (log {s.log_path})", flush=True)
+        while all(s.alive() for s in servers):
             time.sleep(1.0)
+        dead = next(s for s in servers if not s.alive())
         print(
-            f"jaxrlvr serve-vllm: server exited with code {server.returncode()}; log ends with:\n"
-            f"{log_tail(server.log_path)}",
+            f"jaxrlvr serve-vllm: server {dead.url} exited with code {dead.returncode()}; log "
+            f"ends with:\n{log_tail(dead.log_path)}",
             file=sys.stderr,
         )
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        server.stop()
+        for s in servers:
+            s.stop()
+
+
+def plan_servers(
+    args: argparse.Namespace, extra: Sequence[str], host_gpus: Sequence[str]
+) -> list[VLLMServer]:
+    """The (unstarted) servers ``serve-vllm`` runs for its parsed flags on a host with
+    ``host_gpus`` (``CUDA_VISIBLE_DEVICES`` entries)."""
+    from jaxrlvr import placement
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if host_gpus and not placement.jax_wants_cpu() else "cpu"
+    if args.num_servers < 1:
+        raise ValueError(f"--num-servers {args.num_servers}: must be >= 1")
+    groups: tuple[tuple[str, ...], ...] = ((),) * args.num_servers
+    if device == "cuda":
+        wanted = tuple(args.gpus) or tuple(range(args.num_servers))
+        bad = [g for g in wanted if not 0 <= g < len(host_gpus)]
+        if bad:
+            raise ValueError(
+                f"--gpus {','.join(map(str, wanted))}: GPU {bad[0]} does not exist "
+                f"({len(host_gpus)} visible)"
+            )
+        groups = placement.split_groups([host_gpus[g] for g in wanted], args.num_servers, "--gpus")
+    elif args.gpus:
+        raise ValueError("--gpus needs --device cuda (or auto on a host with GPUs)")
+    servers = []
+    for i, gpus in enumerate(groups):
+        log = args.log if args.log is None or i == 0 else f"{args.log}.{i}"
+        servers.append(
+            VLLMServer(
+                args.model,
+                python=args.python,
+                host=args.host,
+                port=args.port + i if args.port else 0,
+                max_model_len=args.max_model_len,
+                dtype=None if args.dtype == "auto" else args.dtype,
+                kv_cache_bytes=args.kv_cache_bytes,
+                device=device,
+                gpus=gpus,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                extra_args=extra,
+                log_path=log,
+                allow_remote_dev_endpoints=args.allow_remote_dev_endpoints,
+                start=False,
+            )
+        )
+    return servers
