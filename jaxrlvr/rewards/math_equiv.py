@@ -28,8 +28,6 @@ import functools
 import logging
 import re
 
-import math_verify
-
 MAX_ANSWER_CHARS = 1000
 """Answers longer than this (after the integer fast path) are scored as not equivalent."""
 
@@ -47,6 +45,15 @@ class _DropTimeoutDisabledWarning(logging.Filter):
 
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
+
+
+@functools.cache
+def _math_verify():
+    """math-verify, imported on first use: integer answers (GSM8K, the synthetic task) never need
+    it, and the package imports (the trainer, the GPU check) where it is not installed."""
+    import math_verify
+
+    return math_verify
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,7 +293,7 @@ def _parse(text: str) -> tuple:
     across epochs, and the ANTLR LaTeX parser dominates grading time (math-verify's own cache
     holds 20 entries). Sympy objects are immutable, so sharing them is safe."""
     # parsing_timeout=None: no SIGALRM (the pool bounds the call); see the module docstring.
-    return tuple(math_verify.parse(f"${text}$", parsing_timeout=None))
+    return tuple(_math_verify().parse(f"${text}$", parsing_timeout=None))
 
 
 def _squash(text: str) -> str:
@@ -330,7 +337,7 @@ def is_equivalent(pred: str, gold: str | int | float) -> bool:
     for pred_form in pred_forms:
         parsed = _parse(pred_form)
         if parsed and any(
-            math_verify.verify(list(g), list(parsed), timeout_seconds=None) for g in gold_parsed
+            _math_verify().verify(list(g), list(parsed), timeout_seconds=None) for g in gold_parsed
         ):
             return True
     return False
