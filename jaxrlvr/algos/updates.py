@@ -64,10 +64,13 @@ class SFTUpdateConfig:
     normalize_constant: None -> mean NLL over all loss tokens of the batch; a number C -> the
         CS336 ``sft_microbatch_train_step`` loss sum_bt(-logp * mask) / (B * C).
     num_microbatches: gradient-accumulation microbatches per optimiser step.
+    logprob_chunk_size: positions per lm_head/log-softmax chunk (``token_logprobs_from_hidden``);
+        None: the whole [B, T, V] logits at once.
     """
 
     normalize_constant: float | None = None
     num_microbatches: int = 1
+    logprob_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.normalize_constant is not None and not self.normalize_constant > 0:
@@ -75,20 +78,24 @@ class SFTUpdateConfig:
                 f"normalize_constant must be None or > 0, got {self.normalize_constant!r}"
             )
         _check_microbatches(self.num_microbatches)
+        _check_chunk_size(self.logprob_chunk_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOUpdateConfig:
     """GRPO / policy-gradient update: the ``policy_loss`` objective with every option of
-    ``PolicyLossConfig`` (aggregation, clip-higher, dual clip, GSPO, KL, entropy, TIS)."""
+    ``PolicyLossConfig`` (aggregation, clip-higher, dual clip, GSPO, KL, entropy, TIS).
+    ``logprob_chunk_size`` as ``SFTUpdateConfig`` (also used by the old/reference passes)."""
 
     loss: loss_config.PolicyLossConfig = dataclasses.field(
         default_factory=loss_config.PolicyLossConfig
     )
     num_microbatches: int = 1
+    logprob_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_microbatches(self.num_microbatches)
+        _check_chunk_size(self.logprob_chunk_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,21 +138,29 @@ class PPOUpdateConfig(PPOConfig):
 
     loss: the policy objective; with ``kl_in="reward"`` and ``kl_coef > 0`` the KL to the
         reference (on ``old_logp``) is subtracted from every token's reward (InstructGPT).
+    logprob_chunk_size: as ``SFTUpdateConfig``.
     """
 
     loss: loss_config.PolicyLossConfig = dataclasses.field(
         default_factory=loss_config.PolicyLossConfig
     )
     num_microbatches: int = 1
+    logprob_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_microbatches(self.num_microbatches)
+        _check_chunk_size(self.logprob_chunk_size)
 
 
 def _check_microbatches(n: int) -> None:
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"num_microbatches must be an integer >= 1, got {n!r}")
+
+
+def _check_chunk_size(n: int | None) -> None:
+    if n is not None and not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"logprob_chunk_size must be None or an integer >= 1, got {n!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,19 +176,29 @@ def logprobs_and_entropy(
 
 
 def token_logprobs_from_hidden(
-    lm: Any, hidden_btd: jax.Array, labels_bt: jax.Array, *, entropy_grad: bool = False
+    lm: Any,
+    hidden_btd: jax.Array,
+    labels_bt: jax.Array,
+    *,
+    entropy_grad: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """log pi(labels) [B, T] and the token entropy [B, T], float32, from final hidden states
-    (float32 logits from ``lm.lm_logits``, then ``logprobs_and_entropy``)."""
-    return logprobs_and_entropy(lm.lm_logits(hidden_btd), labels_bt, entropy_grad=entropy_grad)
+    (float32 logits from ``lm.lm_logits``, then ``logprobs_and_entropy``), in chunks of
+    ``chunk_size`` positions under remat (``model.logprobs.logprobs_from_hidden``) unless None."""
+    return logprobs_lib.logprobs_from_hidden(
+        hidden_btd, lm.lm_logits, labels_bt, chunk_size=chunk_size, entropy_grad=entropy_grad
+    )
 
 
 def token_logprobs(
-    lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False
+    lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log-probs [B, T], entropy [B, T], final hidden states [B, T, D]) of ``batch.labels``."""
     hidden, _ = lm.backbone(batch.input_ids, batch.attention_mask)
-    logp, ent = token_logprobs_from_hidden(lm, hidden, batch.labels, entropy_grad=entropy_grad)
+    logp, ent = token_logprobs_from_hidden(
+        lm, hidden, batch.labels, entropy_grad=entropy_grad, chunk_size=chunk_size
+    )
     return logp, ent, hidden
 
 
@@ -340,16 +365,23 @@ def _make_update(
 
 
 def make_logprob_fn(
-    graphdef: nnx.GraphDef, *, num_microbatches: int = 1, mesh: Any = None
+    graphdef: nnx.GraphDef,
+    *,
+    num_microbatches: int = 1,
+    chunk_size: int | None = None,
+    mesh: Any = None,
 ) -> Callable:
     """``(params, batch) -> (logp [B, T], entropy [B, T])``, float32, un-jitted (jit it).
 
     For old and reference log-probs: any params with the policy's graph definition (a frozen
     reference model's params need no optimiser state). ``num_microbatches`` > 1 runs the rows in
-    ``lax.map`` chunks (same strided split as the updates) to bound the [B, T, V] logits memory.
+    ``lax.map`` chunks (same strided split as the updates) and ``chunk_size`` computes the logits
+    in chunks of that many positions (``token_logprobs_from_hidden``), both to bound the
+    [B, T, V] logits memory.
     Uses ``input_ids``, ``attention_mask`` and ``labels``; other fields are ignored.
     """
     _check_microbatches(num_microbatches)
+    _check_chunk_size(chunk_size)
 
     def logprob_fn(params: nnx.State, batch: batch_lib.Batch) -> tuple[jax.Array, jax.Array]:
         lm = nnx.merge(graphdef, params)
@@ -363,7 +395,7 @@ def make_logprob_fn(
         def one(x):
             ids, mask, labels = x
             hidden, _ = lm.backbone(ids, mask)
-            return token_logprobs_from_hidden(lm, hidden, labels)
+            return token_logprobs_from_hidden(lm, hidden, labels, chunk_size=chunk_size)
 
         if num_microbatches == 1:
             return one(inputs)
@@ -405,7 +437,7 @@ def make_sft_update(
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
-        logp, ent, _ = token_logprobs(lm, mb)
+        logp, ent, _ = token_logprobs(lm, mb, chunk_size=cfg.logprob_chunk_size)
         nll = aggregation.masked_rows(-logp, mb.loss_mask)
         loss = jnp.sum(nll) / denom
         return loss, {
@@ -492,7 +524,9 @@ def make_grpo_update(
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
-        logp, ent, _ = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+        logp, ent, _ = token_logprobs(
+            lm, mb, entropy_grad=entropy_grad, chunk_size=cfg.logprob_chunk_size
+        )
         return _policy_terms(logp, ent, mb, mb.advantages, mb.loss_mask, cfg.loss, denom)
 
     return _make_update(
@@ -584,7 +618,9 @@ def make_ppo_update(
         mb, adv, returns = xs
         denom, v_denom = consts
         lm = nnx.merge(graphdef, params)
-        logp, ent, hidden = token_logprobs(lm, mb, entropy_grad=entropy_grad)
+        logp, ent, hidden = token_logprobs(
+            lm, mb, entropy_grad=entropy_grad, chunk_size=cfg.logprob_chunk_size
+        )
         if separate:
             # The critic's own trunk: no parameter in common with the policy, so each loss's
             # gradient reaches only its own model.

@@ -12,8 +12,19 @@ elementwise select instead of a scatter), and the entropy reuses ``e``, so XLA f
 reductions over V without another [..., V] array. A -inf logit (a masked token) contributes 0 to
 the value and to the gradient.
 
-Not here: chunking over the vocabulary or the sequence (callers bound memory by microbatching).
+``logprobs_from_hidden`` runs the lm_head and the above over chunks of positions from the final
+hidden states, each chunk under ``jax.checkpoint`` inside ``lax.map``: only one chunk's
+[B, chunk, V] float32 logits exist at a time, in the forward pass and in the backward pass (which
+recomputes them), instead of the whole [B, T, V]. The same arithmetic per position, so values and
+gradients equal the unchunked ones up to float summation order.
+
+Not here: chunking over the vocabulary (with V = 152k and chunks of a few hundred positions the
+per-chunk logits are already small) and skipping prompt positions (their count varies per row,
+so static shapes keep them; the loss masks them).
 """
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +71,50 @@ def logprobs_and_entropy(
     zs, e, s, log_s = _normalizer(logits)
     stats = (zs, e, s, log_s) if entropy_grad else jax.lax.stop_gradient((zs, e, s, log_s))
     return _picked(zs, labels) - log_s, _entropy(*stats)
+
+
+def logprobs_from_hidden(
+    hidden_btd: jax.Array,
+    lm_head_fn: Callable[[jax.Array], jax.Array],
+    labels_bt: jax.Array,
+    *,
+    chunk_size: int | None = None,
+    entropy_grad: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(log p(label), entropy), float32 [B, T], from final hidden states, in position chunks.
+
+    Args:
+      hidden_btd: [B, T, D] final hidden states (after the last norm).
+      lm_head_fn: [B, C, D] -> [B, C, V] logits (e.g. ``Qwen2ForCausalLM.lm_logits``). It is
+        called inside the chunk loop, so any weights it reads (and casts) are captured whole and
+        their gradient accumulates in their own (float32 master) dtype.
+      labels_bt: [B, T] integer labels.
+      chunk_size: positions per chunk; None (or >= T) computes all logits at once. T need not
+        be a multiple: the last chunk is zero-padded and the padding dropped.
+      entropy_grad: as ``logprobs_and_entropy``.
+    """
+    b, t = labels_bt.shape
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"logprob chunk_size must be None or >= 1, got {chunk_size!r}")
+    if chunk_size is None or chunk_size >= t:
+        return logprobs_and_entropy(lm_head_fn(hidden_btd), labels_bt, entropy_grad=entropy_grad)
+    n = -(-t // chunk_size)
+    pad = n * chunk_size - t
+    if pad:
+        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        labels_bt = jnp.pad(labels_bt, ((0, 0), (0, pad)))
+    # [n, B, C, ...]: the chunk axis leads (the loop axis); rows keep their batch sharding.
+    h = hidden_btd.reshape(b, n, chunk_size, -1).swapaxes(0, 1)
+    lab = labels_bt.reshape(b, n, chunk_size).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def one(xs):
+        h_c, l_c = xs
+        return logprobs_and_entropy(lm_head_fn(h_c), l_c, entropy_grad=entropy_grad)
+
+    logp, ent = jax.lax.map(one, (h, lab))
+
+    def merge(x):
+        return x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
+
+    return merge(logp), merge(ent)
