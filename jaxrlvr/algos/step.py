@@ -86,6 +86,26 @@ def _batch_shard_layout(mesh: Mesh) -> tuple[int, list[int]]:
     return n, sorted({idx[0].start or 0 for idx in held.values()})
 
 
+def batch_shard_count(mesh: Mesh) -> int:
+    """How many shards a batch's rows are split into: the product of the ('data', 'fsdp') sizes."""
+    return math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
+
+
+def check_microbatch_split(rows: int, num_microbatches: int, mesh: Mesh) -> None:
+    """Raise ``batch.BatchError`` unless ``rows`` cut into ``num_microbatches`` microbatches
+    whose rows split evenly over the batch shards ('data', 'fsdp'); otherwise a microbatch of
+    fewer rows than devices (or a remainder) makes XLA replicate it ("Involuntary full
+    rematerialization") instead of sharding it."""
+    shards = batch_shard_count(mesh)
+    if rows % (num_microbatches * shards):
+        axes = ", ".join(f"{a}={mesh.shape.get(a, 1)}" for a in sharding.BATCH_AXES)
+        raise batch_lib.BatchError(
+            f"a batch of {rows} rows in {num_microbatches} microbatches does not split over the "
+            f"{shards} batch shards ({axes}): rows must be a multiple of microbatches x "
+            f"{shards} = {num_microbatches * shards}"
+        )
+
+
 def process_batch_rows(mesh: Mesh, global_batch_size: int) -> np.ndarray:
     """The rows of a ``global_batch_size``-row batch that this process feeds to
     ``shard_local_batch``, in order (int64 [B_local]): global rows ``rows[i]`` sit at local row
@@ -192,7 +212,8 @@ class CompiledAlgorithm:
 
     ``prepare(state, rollouts)`` takes the host batch of the rollout fields (NumPy), validates it
     once against ``algorithm.rollout_spec`` (a ``batch.BatchError`` naming the field, before any
-    tracing), places it on the mesh (the one host-to-device transfer of the step) and runs the
+    tracing) and ``check_microbatch_split`` (every microbatch's rows divide over the mesh),
+    places it on the mesh (the one host-to-device transfer of the step) and runs the
     jitted prepare; ``update(state, batch)`` runs the jitted, donated update on the prepared
     device batch (validated at trace time by the update itself, so not again on the host).
     Both compile once per batch shape (length bucket); their metrics stay on device until the
@@ -230,6 +251,9 @@ class CompiledAlgorithm:
 
     def prepare(self, state: state_lib.TrainState, rollouts: batch_lib.Batch):
         batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
+        check_microbatch_split(
+            np.shape(rollouts.input_ids)[0], self.algorithm.rollout_spec.num_microbatches, self.mesh
+        )
         placed = shard_batch(rollouts, self.mesh)
         return self._prepare(state, placed)
 
