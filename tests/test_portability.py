@@ -1,0 +1,426 @@
+"""Portability without the hardware: every compiled program lowers for TPU and for CUDA.
+
+Each program that jaxrlvr jits is exported with ``jax.export.export(jitted, platforms=(p,))`` for
+p in ("tpu", "cuda") from this CPU-only machine, at the Qwen2.5-1.5B architecture (abstract,
+shape-only parameters: float32 master weights, bfloat16 compute), on a (data=2, fsdp=2,
+tensor=2) mesh of the 8 fake CPU devices that ``tests/conftest.py`` sets up, with the shardings
+the trainer and the sampler really use:
+
+- every update and every ``prepare`` (old/reference log-probs, rollout-time values) of the
+  ``algorithm`` records, jitted by ``step.CompiledAlgorithm`` itself (state shardings from
+  ``step.state_shardings`` of the abstract ``init`` state, rows over ('data', 'fsdp'));
+- the log-prob function (``updates.make_logprob_fn``);
+- the sampler's generate program (``jax_sampler._generate_jit``) with the exact arguments that
+  ``JaxSampler`` passes it (recorded from a tiny sampler on the same mesh, then re-targeted at
+  the 1.5B parameters): greedy, top-k + top-p, top-p alone (the sorted path), and under a
+  thinking budget. The thinking budget is not part of any compiled program: it runs on the host
+  (``sampling.base.generate_with_thinking_budget``) as two calls of the plain program, and those
+  two programs are what the thinking-budget case exports;
+- the model's forward ``model(input_ids, attention_mask, position_ids)``, prefill into the KV
+  cache and one-token decode from it.
+
+Lowering is the whole of what is checked: the platform's lowering rules, the custom calls that
+``jax.export`` accepts as stable, and the sharding annotations. A host callback, a CPU-only
+custom call or a primitive without a TPU/GPU lowering fails here. Compiling (memory, layouts
+the backend's compiler rejects), speed and numerics still need the hardware.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrlvr import model as M
+from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
+from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.sampling import base, jax_sampler
+
+PLATFORMS = ("tpu", "cuda")
+B, T = 16, 64  # training rows x tokens: small, lowering time does not depend on it
+MICROBATCHES = 2  # exercises the lax.scan accumulation path of every update
+
+# Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B), float32 master weights, bfloat16 compute.
+QWEN25_1_5B = M.ModelConfig(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=131072,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+    param_dtype="float32",
+)
+
+# name -> {platform: len(exported.mlir_module())}; printed at the end of the module (pytest -s).
+SIZES: dict[str, dict[str, int]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    cfg: M.ModelConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    params: nnx.State  # jax.ShapeDtypeStruct leaves
+
+
+@pytest.fixture(scope="module")
+def arch():
+    assert len(jax.devices()) == 8, "tests/conftest.py sets 8 fake CPU devices"
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(QWEN25_1_5B, mesh=mesh))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    assert M.param_count(params) > 1.5e9  # the real architecture, never materialised
+    yield Arch(QWEN25_1_5B, mesh, graphdef, params)
+    print("\nStableHLO text size (characters of exported.mlir_module()):")
+    for name, sizes in SIZES.items():
+        print(f"  {name:40s} " + "  ".join(f"{p}={n:>9,d}" for p, n in sorted(sizes.items())))
+
+
+def _sds(x, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def export(name: str, platform: str, jitted, *args, expected_shardings=None, **kwargs):
+    """Exports ``jitted`` for ``platform`` (lowering only) and checks what came out."""
+    exported = jax.export.export(jitted, platforms=(platform,))(*args, **kwargs)
+    assert exported.platforms == (platform,)
+    assert exported.nr_devices == 8
+    text = exported.mlir_module()
+    assert "sdy.sharding" in text or "mhlo.sharding" in text
+    if expected_shardings is not None:
+        # Every input carries the sharding the trainer gives it (none silently replicated).
+        want = jax.tree.leaves(expected_shardings)
+        got = exported.in_shardings_jax(want[0].mesh)
+        assert len(got) == len(want) == len(exported.in_avals)
+        kept = set(exported.module_kept_var_idx)  # unused inputs (SFT's prepare) are dropped
+        wrong = [
+            (i, g, w.spec)
+            for i, (g, w, aval) in enumerate(zip(got, want, exported.in_avals))
+            if i in kept and not (g is not None and g.is_equivalent_to(w, aval.ndim))
+        ]
+        assert not wrong, f"{name}: inputs exported with other shardings: {wrong[:5]}"
+        assert any(not w.is_fully_replicated for w in want)
+    SIZES.setdefault(name, {})[platform] = len(text)
+    return exported
+
+
+# ---------------------------------------------------------------------------------------------
+# Updates and prepare: the algorithm records, compiled as the driver compiles them.
+
+_OPT = optim.OptimizerConfig(learning_rate=1e-6)
+_PLC = loss_config.PolicyLossConfig
+
+
+def _grpo(**loss):
+    return lambda a: algorithm.grpo(
+        a.graphdef,
+        _OPT,
+        updates.GRPOUpdateConfig(loss=_PLC(**loss), num_microbatches=MICROBATCHES),
+        mesh=a.mesh,
+    )
+
+
+def _ppo(trunk, **loss):
+    return lambda a: algorithm.ppo(
+        a.graphdef,
+        _OPT,
+        updates.PPOUpdateConfig(loss=_PLC(**loss), trunk=trunk, num_microbatches=MICROBATCHES),
+        params_shape=a.params,
+        mesh=a.mesh,
+    )
+
+
+def _sft_like(factory):
+    return lambda a: factory(
+        a.graphdef, _OPT, updates.SFTUpdateConfig(num_microbatches=MICROBATCHES), mesh=a.mesh
+    )
+
+
+ALGORITHMS = {
+    "sft": _sft_like(algorithm.sft),
+    "expert_iteration": _sft_like(algorithm.expert_iteration),
+    "grpo": _grpo(),
+    "grpo_dapo": _grpo(aggregation="token_mean", clip_eps_high=0.28, dual_clip=3.0),
+    "grpo_dr_grpo": _grpo(aggregation="seq_mean_token_sum_norm", norm_constant=float(T)),
+    "grpo_gspo": _grpo(ratio_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4),
+    "grpo_kl_loss": _grpo(kl_coef=0.04, kl_estimator="k3", entropy_coef=1e-3),
+    "grpo_tis": _grpo(tis="sequence", tis_cap=2.0),
+    "ppo_shared": _ppo("shared"),
+    "ppo_separate": _ppo("separate", kl_coef=0.05, kl_in="reward"),
+}
+# GRPO's prepare reads only the reference (kl_coef > 0) and the batch specs from the loss
+# config: variants that change neither run GRPO's prepare program, checked, not exported again.
+PREPARE_AS = {"grpo_dapo": "grpo", "grpo_dr_grpo": "grpo", "grpo_gspo": "grpo"}
+
+
+def _rollouts(spec: batch_lib.BatchSpec) -> batch_lib.Batch:
+    """The host batch that the driver hands to ``prepare`` (``rollout.pack`` dtypes), abstract,
+    with the fields of ``spec`` (``algorithm.select_fields``, as the driver does)."""
+    bt = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype)  # noqa: E731
+    b = jax.ShapeDtypeStruct((B,), jnp.float32)
+    full = batch_lib.Batch(
+        input_ids=bt(jnp.int32),
+        attention_mask=bt(jnp.int32),
+        labels=bt(jnp.int32),
+        loss_mask=bt(jnp.float32),
+        advantages=b,
+        sampler_logp=bt(jnp.float32),
+        rewards=b,
+        correct=b,
+    )
+    return algorithm.select_fields(full, spec)
+
+
+_COMPILED: dict[str, tuple] = {}  # name -> what _compiled returns (shared by the platforms)
+
+
+def _compiled(name: str, arch: Arch):
+    if name in _COMPILED:
+        return _COMPILED[name]
+    algo = ALGORITHMS[name](arch)
+    state = jax.eval_shape(lambda p: algo.init(p, 0), arch.params)
+    shardings = step.state_shardings(state, arch.mesh)
+    compiled = step.CompiledAlgorithm(algo, arch.mesh, shardings)
+    rollouts = _rollouts(algo.rollout_spec)
+    batch, _ = jax.eval_shape(algo.prepare, state, rollouts)  # what update receives
+    _COMPILED[name] = compiled, state, shardings, rollouts, batch, algo
+    return _COMPILED[name]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_update_and_prepare_lower(arch, name, platform):
+    compiled, state, shardings, rollouts, batch, algo = _compiled(name, arch)
+    rows = step.batch_shardings(batch, arch.mesh)
+    export(
+        f"{name}/update",
+        platform,
+        compiled._update,
+        state,
+        batch,
+        expected_shardings=(shardings, rows),
+    )
+    if name in PREPARE_AS:
+        _, same_state, *_, same_algo = _compiled(PREPARE_AS[name], arch)
+        assert algo.rollout_spec == same_algo.rollout_spec
+        assert algo.batch_spec == same_algo.batch_spec
+        assert (state.ref_params is None) == (same_state.ref_params is None)
+        return
+    export(
+        f"{name}/prepare",
+        platform,
+        compiled._prepare,
+        state,
+        rollouts,
+        expected_shardings=(shardings, step.batch_shardings(rollouts, arch.mesh)),
+    )
+
+
+def test_every_algorithm_factory_is_covered():
+    """A new algorithm record must be added to ALGORITHMS (and so to the portability check)."""
+    factories = {"sft", "expert_iteration", "grpo", "ppo"}
+    public = {
+        n
+        for n, f in vars(algorithm).items()
+        if callable(f)
+        and getattr(f, "__module__", None) == algorithm.__name__
+        and not n.startswith("_")
+        and f.__annotations__.get("return") in (algorithm.Algorithm, "Algorithm")
+    }
+    assert public == factories, f"new algorithm factories to cover here: {public - factories}"
+    assert {n.split("_")[0] if n.startswith(("grpo", "ppo")) else n for n in ALGORITHMS} == (
+        factories
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The log-prob function and the model's forward, prefill and decode.
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_logprob_fn_lowers(arch, platform):
+    fn = updates.make_logprob_fn(arch.graphdef, num_microbatches=MICROBATCHES, mesh=arch.mesh)
+    batch = _rollouts(batch_lib.BatchSpec())
+    params_sh = M.param_shardings(arch.params, arch.mesh)
+    rows = step.batch_shardings(batch, arch.mesh)
+    jitted = jax.jit(fn, in_shardings=(params_sh, rows))
+    export("logprob_fn", platform, jitted, arch.params, batch, expected_shardings=(params_sh, rows))
+
+
+def _forward(graphdef, params, input_ids, attention_mask, position_ids):
+    return nnx.merge(graphdef, params)(input_ids, attention_mask, position_ids)
+
+
+def _prefill(graphdef, cfg, params, input_ids, attention_mask, position_ids, *, cache_len):
+    cache = M.init_cache(cfg, input_ids.shape[0], cache_len)
+    return nnx.merge(graphdef, params)(
+        input_ids, attention_mask, position_ids, cache=cache, cache_index=0
+    )
+
+
+def _decode(graphdef, params, token_ids, attention_mask, position_ids, cache, cache_index):
+    return nnx.merge(graphdef, params)(
+        token_ids, attention_mask, position_ids, cache=cache, cache_index=cache_index
+    )
+
+
+def _cache_shardings(cache: M.KVCache, mesh) -> M.KVCache:
+    from jaxrlvr.model import qwen2
+
+    return M.KVCache(
+        k=tuple(M.logical_sharding(qwen2.CACHE_K_AXES, x.shape, mesh) for x in cache.k),
+        v=tuple(M.logical_sharding(qwen2.CACHE_V_AXES, x.shape, mesh) for x in cache.v),
+    )
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_model_forward_prefill_and_decode_lower(arch, platform):
+    mesh, cfg = arch.mesh, arch.cfg
+    params_sh = M.param_shardings(arch.params, mesh)
+    rows = M.batch_sharding(mesh, 2)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    forward = jax.jit(
+        functools.partial(_forward, arch.graphdef), in_shardings=(params_sh, rows, rows, rows)
+    )
+    export(
+        "model/forward", platform, forward, arch.params, ids, ids, ids,
+        expected_shardings=(params_sh, rows, rows, rows),
+    )  # fmt: skip
+
+    slots = 2 * T
+    mask = jax.ShapeDtypeStruct((B, slots), jnp.int32)
+    prefill = jax.jit(
+        functools.partial(_prefill, arch.graphdef, cfg, cache_len=slots),
+        in_shardings=(params_sh, rows, rows, rows),
+    )
+    export(
+        "model/prefill", platform, prefill, arch.params, ids, mask, ids,
+        expected_shardings=(params_sh, rows, rows, rows),
+    )  # fmt: skip
+
+    cache = jax.eval_shape(lambda: M.init_cache(cfg, B, slots))
+    cache_sh = _cache_shardings(cache, mesh)
+    one = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    decode = jax.jit(
+        functools.partial(_decode, arch.graphdef),
+        in_shardings=(params_sh, rows, rows, rows, cache_sh, replicated),
+        donate_argnums=4,
+    )
+    export(
+        "model/decode", platform, decode, arch.params, one, mask, one, cache,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        expected_shardings=(params_sh, rows, rows, rows, cache_sh, replicated),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler's generate program, with the arguments JaxSampler really passes it.
+
+SAMPLING = {
+    "greedy": base.SamplingParams(temperature=0.0, max_tokens=64),
+    "top_k_top_p": base.SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=64),
+    "top_p": base.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=64),
+    # Host-side (base.generate_with_thinking_budget): two calls of the plain program.
+    "thinking_budget": base.SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=256, thinking_budget=64
+    ),
+}
+
+
+class _ByteTokenizer:
+    """The little of a Hugging Face tokenizer that JaxSampler and the thinking budget call."""
+
+    eos_token_id = 1
+
+    def encode(self, text, add_special_tokens=False):
+        return [b + 2 for b in text.encode()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 2 for i in ids if i >= 2).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def generate_calls(arch):
+    """name -> the (params, inputs, static kwargs) of every ``_generate_jit`` call that
+    ``JaxSampler.generate`` makes: a tiny sampler on the same mesh runs its real host code, with
+    the compiled program replaced by a recorder (every row runs to its ``max_new``)."""
+    calls: list[tuple] = []
+
+    def record(params, inputs, **static):
+        calls.append((inputs, static))
+        rows, gen = inputs["prompt_ids"].shape[0], static["s"].gen_len
+        n = int(inputs["max_new"])
+        z = np.zeros((rows, gen), np.int32)
+        return z, z.astype(np.float32), np.full((rows,), n, np.int32), np.zeros((rows,), bool)
+
+    tok = _ByteTokenizer()
+    # Zero weights (nothing runs): the sampler's host code only needs the parameter tree.
+    abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(M.ModelConfig.tiny(), mesh=arch.mesh))
+    graphdef, state = nnx.split(abstract)
+    tiny = nnx.merge(graphdef, jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state))
+    sampler = jax_sampler.JaxSampler(tiny, tok, mesh=arch.mesh)
+    prompts = [tok.encode(q, add_special_tokens=False) for q in ("1 + 1 =", "What is 6 * 7?")]
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax_sampler, "_generate_jit", record)
+        for name, params in SAMPLING.items():
+            del calls[:]
+            sampler.generate(prompts, 4, params)
+            out[name] = list(calls)
+    return out
+
+
+def test_thinking_budget_is_host_side(generate_calls):
+    """Under a thinking budget the sampler runs the plain program twice (budget, continuation);
+    no compiled program knows about the budget."""
+    assert [len(generate_calls[n]) for n in SAMPLING] == [1, 1, 1, 2]
+    assert {f.name for f in dataclasses.fields(jax_sampler._Static)}.isdisjoint(
+        {"thinking_budget", "thinking_end_text"}
+    )
+
+
+_GENERATE_SIZES: dict[tuple, int] = {}  # (platform, static choices, abstract inputs) -> size
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_generate_lowers(arch, generate_calls, name, platform):
+    # The sampler's own graph definition and parameter placement (JaxSampler.__init__ and
+    # update_weights), at the 1.5B architecture.
+    abstract = nnx.eval_shape(
+        lambda: M.Qwen2ForCausalLM(arch.cfg, rngs=nnx.Rngs(0), mesh=arch.mesh)
+    )
+    graphdef, _ = nnx.split(abstract, nnx.Param)
+    params_sh = M.param_shardings(arch.params, arch.mesh)
+    params = jax.tree.map(lambda x, s: _sds(x, s), arch.params, params_sh)
+    for i, (inputs, static) in enumerate(generate_calls[name]):
+        placed = {k: _sds(v, v.sharding) for k, v in inputs.items()}
+        assert placed["prompt_ids"].sharding == M.batch_sharding(arch.mesh, 2)
+        static = dict(static, graphdef=graphdef, cfg=arch.cfg)
+        label = f"generate/{name}" + (f"[call {i + 1}]" if len(generate_calls[name]) > 1 else "")
+        # The same program as an earlier case (the thinking budget's first call is the plain
+        # top-p program): its export is not repeated.
+        key = (platform, static["s"], tuple((k, str(v)) for k, v in sorted(placed.items())))
+        if key not in _GENERATE_SIZES:
+            exported = export(
+                label,
+                platform,
+                jax_sampler._generate_jit,
+                params,
+                placed,
+                expected_shardings=(params_sh, [x.sharding for x in jax.tree.leaves(placed)]),
+                **static,
+            )
+            _GENERATE_SIZES[key] = len(exported.mlir_module())
+        SIZES.setdefault(label, {})[platform] = _GENERATE_SIZES[key]
