@@ -252,7 +252,9 @@ def make_algorithm(
     rl = cfg.rl
     if rl.algo == "grpo":
         grpo_cfg = updates.GRPOUpdateConfig(loss=rl.loss, num_microbatches=rl.microbatches)
-        return algorithm_lib.grpo(graphdef, cfg.optim, grpo_cfg, mesh=mesh)
+        return algorithm_lib.grpo(
+            graphdef, cfg.optim, grpo_cfg, mesh=mesh, epochs_per_batch=rl.epochs_per_step
+        )
     if rl.algo == "ppo":
         ppo_cfg = updates.PPOUpdateConfig(
             loss=rl.loss, num_microbatches=rl.microbatches, **dataclasses.asdict(rl.ppo)
@@ -264,7 +266,16 @@ def make_algorithm(
     raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
 
 
-def shaping_config(cfg: config_lib.TrainConfig, rl_step: int) -> rollout.ShapingConfig:
+def batch_shards(mesh) -> int:
+    """How many shards the batch axis is split into: the mesh's data x fsdp sizes."""
+    return int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+
+
+def shaping_config(
+    cfg: config_lib.TrainConfig, rl_step: int, shards: int = 1
+) -> rollout.ShapingConfig:
+    """The host shaping of step ``rl_step``; packed row counts are multiples of the update's
+    microbatches x ``shards`` (``batch_shards``)."""
     rl = cfg.rl
     overlong = None
     if rl.overlong_cache_len:
@@ -281,7 +292,42 @@ def shaping_config(cfg: config_lib.TrainConfig, rl_step: int) -> rollout.Shaping
         mask_forced_tokens=rl.mask_forced_tokens,
         mask_truncated=rl.loss.mask_truncated,
         drop_zero_variance_groups=rl.drop_zero_variance_groups,
+        packing=rl.packing,
+        max_tokens_per_row=rl.max_tokens_per_row,
+        row_multiple=rl.microbatches * shards,
     )
+
+
+def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
+    """One-line config error unless every microbatch's rows divide over the mesh's batch
+    shards ('data' x 'fsdp'), for each phase the run has.
+
+    Unpacked, a step's rows are its rollouts (``rl.prompts_per_step x rl.group_size``) or the SFT
+    batch (``sft.batch_size``): they must be a multiple of microbatches x shards (otherwise a
+    microbatch has a remainder or fewer rows than devices, which XLA replicates: "Involuntary
+    full rematerialization"). Packed, the row count is rounded up to such a multiple, so only a
+    multiple above the number of sequences (rows that could only be padding) is refused.
+    """
+    shards = step_lib.batch_shard_count(mesh)
+    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
+    rl, sft = cfg.rl, cfg.sft
+    phases = []
+    if rl.algo != "none" and rl.steps > 0:
+        rows_key = "rl.prompts_per_step x rl.group_size"
+        phases.append((rl.rollouts_per_step, rows_key, rl.microbatches, "rl", rl.packing))
+    if sft.steps > 0 or rl.algo == "none":
+        phases.append((sft.batch_size, "sft.batch_size", sft.microbatches, "sft", sft.packing))
+    for rows, rows_key, n, section, packed in phases:
+        unit = n * shards
+        if (unit <= rows) if packed else (rows % unit == 0):
+            continue
+        fits = [m for m in range(n, 0, -1) if rows % (m * shards) == 0]
+        hint = f"{section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
+        raise configlib.ConfigKeyError(
+            f"{section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
+            f"{'exceed' if packed else 'do not divide'} {rows_key} = {rows}: each microbatch's "
+            f"rows must split evenly over the batch shards; try {hint}"
+        )
 
 
 def abstract_state(algorithm, params_shape, mesh, rng=0):
@@ -346,6 +392,7 @@ class Trainer:
         distributed.initialize(cfg.distributed)
         placement.check_jax_devices(self.placement)
         self.mesh = model_lib.make_mesh(cfg.mesh)
+        check_microbatches_fit_mesh(cfg, self.mesh)
         self.tokenizer = build_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id
         model = build_model(cfg, self.tokenizer, self.mesh)
@@ -486,7 +533,16 @@ class Trainer:
             r = encode(self.tokenizer, ex.answer) + [self.tokenizer.eos_token_id]
             prompts.append(p[: limit - 1])
             responses.append(r[: max(limit - len(prompts[-1]), 0)])
-        packed = rollout.pack(prompts, responses, pad_id=self.pad_id, max_length=limit)
+        sft = self.cfg.sft
+        packed = rollout.pack(
+            prompts,
+            responses,
+            pad_id=self.pad_id,
+            max_length=limit,
+            segments=sft.packing,
+            row_tokens=sft.max_tokens_per_row,
+            row_multiple=sft.microbatches * batch_shards(self.mesh),
+        )
         return rollout.to_batch(packed)
 
     def run_sft(self, progress, stop) -> None:
@@ -577,7 +633,7 @@ class Trainer:
             prompts,
             completions,
             scores,
-            shaping_config(self.cfg, self.loop.rl_step),
+            shaping_config(self.cfg, self.loop.rl_step, batch_shards(self.mesh)),
             pad_id=self.pad_id,
             max_length=self.model_cfg.max_position_embeddings,
         )
@@ -614,6 +670,11 @@ class Trainer:
         self.loop.rl_step += 1
 
         out.update({k: float(v) for k, v in {**prepare_m, **update_m}.items()})
+        # The update measures the sampler/trainer log-prob gap at rollout time (its TIS metrics);
+        # logged under the dashboard's name as well.
+        if "logp_diff_abs" in out:
+            out["sampler_trainer_logprob_gap_mean"] = out["logp_diff_abs"]
+            out["sampler_trainer_logprob_gap_max"] = out["logp_diff_abs_max"]
         out.update(filter_m)
         out.update(grading_stats.as_metrics())
         out.update({f"sync/{k}": float(v) for k, v in (sync or {}).items()})

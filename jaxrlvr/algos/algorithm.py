@@ -8,7 +8,7 @@ no per-algorithm branches:
   policy as the KL reference when the loss needs one.
 - ``prepare(state, rollouts) -> (batch, metrics)``: runs on device the passes that need the
   current weights (old log-probs, reference log-probs, rollout-time values, the expert-iteration
-  filter) and returns the exact batch ``update`` consumes, plus the sampler/trainer log-prob gap.
+  filter) and returns the exact batch ``update`` consumes (and metrics of those passes, if any).
   ``rollouts`` is a ``Batch`` holding the fields of ``rollout_spec`` that the host computed
   (tokens and masks, advantages, rewards, correctness, the sampler's log-probs).
 - ``update(state, batch) -> (state, metrics)``: the pure transition of ``updates``.
@@ -79,22 +79,6 @@ def select_fields(batch: batch_lib.Batch, spec: batch_lib.BatchSpec) -> batch_li
     keep = set(batch_lib.BASE_FIELDS) | set(spec.required) | set(spec.optional)
     keep |= set(batch_lib.PACKING_FIELDS)  # every update reads packed rows
     return batch.replace(**{f.name: None for f in dataclasses.fields(batch) if f.name not in keep})
-
-
-def logprob_gap_metrics(
-    trainer_logp_bt: jax.Array, sampler_logp_bt: jax.Array | None, mask_bt: jax.Array
-) -> Metrics:
-    """Mean and max |log pi_trainer - log pi_sampler| over loss tokens (0 without sampler
-    log-probs): the sampler/trainer mismatch that truncated importance sampling corrects."""
-    if sampler_logp_bt is None:
-        return {}
-    m = mask_bt.astype(_f32) > 0
-    diff = jnp.where(m, jnp.abs(trainer_logp_bt - sampler_logp_bt), 0.0)
-    n = jnp.maximum(jnp.sum(m.astype(_f32)), 1.0)
-    return {
-        "sampler_trainer_logprob_gap_mean": jnp.sum(diff) / n,
-        "sampler_trainer_logprob_gap_max": jnp.max(diff),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,13 +154,19 @@ def _policy_rollout_spec(
     )
 
 
-def _policy_passes(logprob_fn, state, rollouts) -> tuple[batch_lib.Batch, Metrics]:
-    """The rollouts with ``old_logp`` (the current policy's) and, when the state holds a KL
-    reference, ``ref_logp``; plus the sampler/trainer gap metrics."""
-    old_logp, _ = logprob_fn(state.params, rollouts)
+def _policy_passes(
+    logprob_fn, state, rollouts, *, old: bool = True
+) -> tuple[batch_lib.Batch, Metrics]:
+    """The rollouts with ``old_logp`` (the current policy's; skipped when ``old`` is False) and,
+    when the state holds a KL reference, ``ref_logp``.
+
+    The sampler/trainer gap needs no pass of its own: the update reports it as ``logp_diff_abs``
+    (mean over loss tokens) and ``logp_diff_abs_max`` whenever the batch carries the sampler's
+    log-probs (``importance.tis_metrics`` of ``old_logp``, or of the current log-probs on policy).
+    """
+    old_logp = logprob_fn(state.params, rollouts)[0] if old else None
     ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
-    metrics = logprob_gap_metrics(old_logp, rollouts.sampler_logp, rollouts.loss_mask)
-    return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), metrics
+    return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), {}
 
 
 def _reference(params: nnx.State, needed: bool) -> nnx.State | None:
@@ -190,19 +180,25 @@ def grpo(
     cfg: updates.GRPOUpdateConfig | None = None,
     *,
     mesh: Any = None,
+    epochs_per_batch: int = 1,
     logprob_microbatches: int | None = None,
 ) -> Algorithm:
     """GRPO and its variants (``updates.make_grpo_update`` on per-sequence advantages).
 
     ``init`` copies the policy as the frozen KL reference when ``loss.kl_coef > 0``.
-    ``prepare`` computes ``old_logp`` (the policy before this rollout's updates: the ratio's
-    denominator, so several epochs over one batch clip against it) and ``ref_logp`` in one
-    jitted call, in ``logprob_microbatches`` chunks (default: the update's microbatches) to
-    bound the [B, T, V] logits memory.
+    ``prepare`` computes ``ref_logp`` and, when the driver applies the update
+    ``epochs_per_batch`` > 1 times to one batch, ``old_logp`` (the policy before this rollout's
+    updates: the ratio's denominator, so later epochs clip against it), in one jitted call, in
+    ``logprob_microbatches`` chunks (default: the update's microbatches) to bound the [B, T, V]
+    logits memory. With one epoch on fresh rollouts the old policy IS the current one, so the
+    update uses its own log-probs behind a stop-gradient (ratio exactly 1) and a forward pass is
+    saved (TRL does the same).
     """
     cfg = cfg or updates.GRPOUpdateConfig()
     tx, schedule = _optimizer(optimizer)
     update = updates.make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
+    if not (isinstance(epochs_per_batch, int) and epochs_per_batch >= 1):
+        raise ValueError(f"epochs_per_batch must be an integer >= 1, got {epochs_per_batch!r}")
     chunks = logprob_microbatches or cfg.num_microbatches
     logprob_fn = updates.make_logprob_fn(
         graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
@@ -215,7 +211,7 @@ def grpo(
         )
 
     def prepare(state, rollouts):
-        batch, metrics = _policy_passes(logprob_fn, state, rollouts)
+        batch, metrics = _policy_passes(logprob_fn, state, rollouts, old=epochs_per_batch > 1)
         return select_fields(batch, update.batch_spec), metrics
 
     return Algorithm(

@@ -128,24 +128,48 @@ def test_ppo_critic_through_the_record(setup, trunk):
 
 
 def test_grpo_prepare_runs_old_and_reference_passes(setup):
+    """Several epochs per batch: prepare adds old_logp and (KL) ref_logp; the update reports the
+    sampler/trainer gap of the rollout-time log-probs."""
     cfg, mesh, graphdef, params = setup
     loss = loss_config.PolicyLossConfig(kl_coef=0.05)
-    algo = algorithm.grpo(graphdef, optax.sgd(0.1), updates.GRPOUpdateConfig(loss=loss))
+    algo = algorithm.grpo(
+        graphdef, optax.sgd(0.1), updates.GRPOUpdateConfig(loss=loss), epochs_per_batch=2
+    )
     state = algo.init(_copy(params), 0)
     assert state.ref_params is not None
     rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
     assert rollouts.rewards is None and rollouts.correct is None
-    batch, metrics = algo.prepare(state, rollouts)
+    batch, _ = algo.prepare(state, rollouts)
     expected, _ = updates.make_logprob_fn(graphdef)(params, rollouts)
     np.testing.assert_allclose(np.asarray(batch.old_logp), np.asarray(expected), atol=1e-6)
     np.testing.assert_allclose(np.asarray(batch.ref_logp), np.asarray(expected), atol=1e-6)
+    _, metrics = algo.update(state, batch)
     m = rollouts.loss_mask > 0
     gap = np.abs(np.asarray(expected) - rollouts.sampler_logp)[m]
-    assert float(metrics["sampler_trainer_logprob_gap_mean"]) == pytest.approx(gap.mean(), 1e-5)
-    assert float(metrics["sampler_trainer_logprob_gap_max"]) == pytest.approx(gap.max(), 1e-5)
+    assert float(metrics["logp_diff_abs"]) == pytest.approx(gap.mean(), 1e-5)
+    assert float(metrics["logp_diff_abs_max"]) == pytest.approx(gap.max(), 1e-5)
     # Without a KL term there is no reference copy and no reference pass.
     plain = algorithm.grpo(graphdef, optax.sgd(0.1))
     assert plain.init(_copy(params), 0).ref_params is None
+
+
+def test_grpo_one_epoch_skips_the_old_logprob_pass(setup):
+    """One epoch on fresh rollouts: no old_logp pass; the update's ratio is exactly 1 and its
+    result equals the one with an explicit old_logp (to float rounding)."""
+    cfg, mesh, graphdef, params = setup
+    one = algorithm.grpo(graphdef, optax.sgd(0.5))
+    two = algorithm.grpo(graphdef, optax.sgd(0.5), epochs_per_batch=2)
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), one.rollout_spec)
+    state = one.init(_copy(params), 0)
+    batch_one, _ = one.prepare(state, rollouts)
+    batch_two, _ = two.prepare(state, rollouts)
+    assert batch_one.old_logp is None and batch_two.old_logp is not None
+    new_one, m_one = one.update(state, batch_one)
+    new_two, m_two = two.update(state, batch_two)
+    assert float(m_one["ratio_max"]) == 1.0 and float(m_one["ratio_min"]) == 1.0
+    for a, b in zip(jax.tree.leaves(new_one.params), jax.tree.leaves(new_two.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(m_one["logp_diff_abs"]) == pytest.approx(float(m_two["logp_diff_abs"]), 1e-5)
 
 
 def test_expert_iteration_trains_only_on_accepted_rows(setup):
