@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards")
+BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards", "memory")
 
 
 def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:

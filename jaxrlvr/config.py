@@ -200,6 +200,9 @@ class SFTSection:
     steps: int = 0
     batch_size: int = 32
     microbatches: int = 1
+    # Positions per lm_head/log-softmax chunk (``updates.SFTUpdateConfig.logprob_chunk_size``):
+    # bounds the [tokens, V] float32 logits; None computes them whole.
+    logprob_chunk_size: int | None = None
     data: str = "gold"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -216,6 +219,9 @@ class RLSection:
     group_size: int = 8
     epochs_per_step: int = 1
     microbatches: int = 1
+    # Positions per lm_head/log-softmax chunk in the update and the old/reference passes
+    # (``updates.GRPOUpdateConfig.logprob_chunk_size``); None computes [tokens, V] logits whole.
+    logprob_chunk_size: int | None = None
     advantage: loss_config.AdvantageConfig = dataclasses.field(
         default_factory=loss_config.AdvantageConfig
     )

@@ -247,21 +247,30 @@ def make_algorithm(
     """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
     ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's."""
     if phase == "sft" or cfg.rl.algo == "none":
-        sft_cfg = updates.SFTUpdateConfig(num_microbatches=cfg.sft.microbatches)
+        sft_cfg = updates.SFTUpdateConfig(
+            num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
+        )
         return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
     rl = cfg.rl
     if rl.algo == "grpo":
-        grpo_cfg = updates.GRPOUpdateConfig(loss=rl.loss, num_microbatches=rl.microbatches)
+        grpo_cfg = updates.GRPOUpdateConfig(
+            loss=rl.loss, num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+        )
         return algorithm_lib.grpo(
             graphdef, cfg.optim, grpo_cfg, mesh=mesh, epochs_per_batch=rl.epochs_per_step
         )
     if rl.algo == "ppo":
         ppo_cfg = updates.PPOUpdateConfig(
-            loss=rl.loss, num_microbatches=rl.microbatches, **dataclasses.asdict(rl.ppo)
+            loss=rl.loss,
+            num_microbatches=rl.microbatches,
+            logprob_chunk_size=rl.logprob_chunk_size,
+            **dataclasses.asdict(rl.ppo),
         )
         return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
     if rl.algo == "expert_iteration":
-        ei_cfg = updates.SFTUpdateConfig(num_microbatches=rl.microbatches)
+        ei_cfg = updates.SFTUpdateConfig(
+            num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+        )
         return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
     raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
 

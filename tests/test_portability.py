@@ -89,13 +89,20 @@ def _sds(x, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
-def export(name: str, platform: str, jitted, *args, expected_shardings=None, **kwargs):
-    """Exports ``jitted`` for ``platform`` (lowering only) and checks what came out."""
+def export(
+    name: str, platform: str, jitted, *args, expected_shardings=None, runs_model=True, **kwargs
+):
+    """Exports ``jitted`` for ``platform`` (lowering only) and checks what came out: one
+    platform, the 8-device mesh, bfloat16 compute where the model runs (``runs_model``; None:
+    not checked), and with
+    ``expected_shardings`` (a pytree like ``args``) the sharding of every input."""
     exported = jax.export.export(jitted, platforms=(platform,))(*args, **kwargs)
     assert exported.platforms == (platform,)
     assert exported.nr_devices == 8
     text = exported.mlir_module()
     assert "sdy.sharding" in text or "mhlo.sharding" in text
+    if runs_model is not None:
+        assert ("xbf16>" in text) == runs_model
     if expected_shardings is not None:
         # Every input carries the sharding the trainer gives it (none silently replicated).
         want = jax.tree.leaves(expected_shardings)
@@ -120,12 +127,12 @@ _OPT = optim.OptimizerConfig(learning_rate=1e-6)
 _PLC = loss_config.PolicyLossConfig
 
 
-def _grpo(**loss):
+def _grpo(epochs_per_batch=1, logprob_chunk_size=None, **loss):
+    cfg = updates.GRPOUpdateConfig(
+        loss=_PLC(**loss), num_microbatches=MICROBATCHES, logprob_chunk_size=logprob_chunk_size
+    )
     return lambda a: algorithm.grpo(
-        a.graphdef,
-        _OPT,
-        updates.GRPOUpdateConfig(loss=_PLC(**loss), num_microbatches=MICROBATCHES),
-        mesh=a.mesh,
+        a.graphdef, _OPT, cfg, mesh=a.mesh, epochs_per_batch=epochs_per_batch
     )
 
 
@@ -154,6 +161,9 @@ ALGORITHMS = {
     "grpo_gspo": _grpo(ratio_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4),
     "grpo_kl_loss": _grpo(kl_coef=0.04, kl_estimator="k3", entropy_coef=1e-3),
     "grpo_tis": _grpo(tis="sequence", tis_cap=2.0),
+    # Several epochs per batch: prepare runs the old-log-prob pass (one epoch skips it), here
+    # with the log-softmax in position chunks under remat.
+    "grpo_epochs2_chunked": _grpo(epochs_per_batch=2, logprob_chunk_size=T // 4),
     "ppo_shared": _ppo("shared"),
     "ppo_separate": _ppo("separate", kl_coef=0.05, kl_in="reward"),
 }
@@ -222,6 +232,7 @@ def test_update_and_prepare_lower(arch, name, platform):
         state,
         rollouts,
         expected_shardings=(shardings, step.batch_shardings(rollouts, arch.mesh)),
+        runs_model=None,  # a forward only where a pass is needed (old, reference, values)
     )
 
 

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-BENCHMARKS = ("forward", "rewards", "sampler", "sync", "update")
+BENCHMARKS = ("forward", "memory", "rewards", "sampler", "sync", "update")
 
 
 def _help(name: str, capsys) -> str:

@@ -1,0 +1,287 @@
+"""Per-device memory of the 1.5B GRPO update, from XLA's own analysis: compiled, never run.
+
+For every configuration, a fresh worker process (with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX starts) builds the
+Qwen2.5-Math-1.5B architecture as abstract parameters (``nnx.eval_shape``: no weights, no
+memory) and the ``algorithm.grpo`` record of configs/r1_zero_qwen2.5_math_1.5b.yaml (bf16
+compute, float32 master weights and AdamW moments, remat, scanned layers,
+``seq_mean_token_mean``, clip 0.2, lr 1e-5, grad clip 1.0), jits its ``update`` with explicit
+shardings and donation exactly as ``step.CompiledAlgorithm`` does, lowers it on
+``ShapeDtypeStruct`` arguments and compiles it. It reports ``compiled.memory_analysis()`` per
+device (arguments, outputs, temporaries, aliased bytes, and total = arguments + outputs +
+temporaries - aliased), the compile time, and every "Involuntary full rematerialization" line
+XLA printed (the worker's stderr is captured).
+
+Shape: 256 rollouts x 1,280 tokens (256 prompt + 1,024 response budget) per step; each microbatch
+holds ``--rows-per-device`` rows per batch shard (2: 128 microbatches on one device, 16 on 8).
+Configurations: ``--fsdp 1,8`` (mesh data=1, fsdp=N on N fake CPU devices) x ``--chunk off,on``
+(``logprob_chunk_size`` None or ``--chunk-size``) x ``--packing off,on`` ("on" adds the packed
+batch's ``segment_ids``/``positions`` when this checkout's ``Batch`` has them; the per-microbatch
+shape is the same, packing only needs fewer microbatches for the same rollouts).
+``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
+
+Usage: ``jaxrlvr bench memory [--fsdp 1,8] [--chunk off,on] [--packing off] [--json PATH]``.
+Compiling the 1.5B update takes minutes per configuration on a 2-core CPU; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from jaxrlvr.bench import common
+
+GIB = 1024**3
+REMAT_WARNING = "Involuntary full rematerialization"
+ROLLOUTS, PROMPT, RESPONSE = 256, 256, 1024
+
+
+def qwen25_math_1_5b():
+    """The Qwen2.5-Math-1.5B architecture (config.json of the checkpoint), bf16 compute, float32
+    storage, remat, scanned layers."""
+    from jaxrlvr.model import config as model_config
+
+    return model_config.ModelConfig(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat=True,
+        scan_layers=True,
+    )
+
+
+def tiny_model():
+    return common.tiny(dtype="bfloat16", remat=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    fsdp: int
+    chunk_size: int | None
+    packing: bool
+    rows_per_device: int
+    rollouts: int
+    seq: int
+    tiny: bool
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        return self.rows_per_device * self.fsdp
+
+    @property
+    def microbatches(self) -> int:
+        return self.rollouts // self.rows_per_microbatch
+
+    def argv(self) -> list[str]:
+        return ["--_case", json.dumps(dataclasses.asdict(self))]
+
+
+def _batch_shape(case: Case, spec):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlvr.algos import batch as batch_lib
+
+    b, t = case.rollouts, case.seq
+    i32, f32 = jnp.int32, jnp.float32
+    fields = dict(
+        input_ids=jax.ShapeDtypeStruct((b, t), i32),
+        attention_mask=jax.ShapeDtypeStruct((b, t), i32),
+        labels=jax.ShapeDtypeStruct((b, t), i32),
+        loss_mask=jax.ShapeDtypeStruct((b, t), f32),
+        advantages=jax.ShapeDtypeStruct((b,), f32),
+    )
+    if "old_logp" in spec.required + spec.optional:
+        fields["old_logp"] = jax.ShapeDtypeStruct((b, t), f32)
+    if case.packing:
+        names = {f.name for f in dataclasses.fields(batch_lib.Batch)}
+        if not {"segment_ids", "positions"} <= names:
+            raise SystemExit("--packing on: this checkout's Batch has no segment_ids/positions")
+        fields["segment_ids"] = jax.ShapeDtypeStruct((b, t), i32)
+        fields["positions"] = jax.ShapeDtypeStruct((b, t), i32)
+    return batch_lib.Batch(**fields)
+
+
+def measure(case: Case) -> dict:
+    """Lower and compile the GRPO update of ``case`` in this process (its devices must already
+    be the case's fake CPU devices); the memory analysis in bytes and the compile seconds."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrlvr import model as model_lib
+    from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
+    from jaxrlvr.model import sharding
+
+    cfg = tiny_model() if case.tiny else qwen25_math_1_5b()
+    mesh = model_lib.make_mesh(
+        model_lib.MeshConfig(data=1, fsdp=case.fsdp, tensor=1), jax.devices()[: case.fsdp]
+    )
+    abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(cfg, mesh=mesh))
+    graphdef, params_shape = nnx.split(abstract, nnx.Param)
+    opt = optim.OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0, b1=0.9, b2=0.95)
+    loss = loss_config.PolicyLossConfig(
+        aggregation="seq_mean_token_mean", clip_eps_low=0.2, clip_eps_high=0.2
+    )
+    grpo_cfg = updates.GRPOUpdateConfig(
+        loss=loss, num_microbatches=case.microbatches, logprob_chunk_size=case.chunk_size
+    )
+    algo = algorithm.grpo(graphdef, opt, grpo_cfg, mesh=mesh)
+    state_shape = jax.eval_shape(lambda p: algo.init(p, 0), params_shape)
+    state_shardings = step.state_shardings(state_shape, mesh)
+    batch = _batch_shape(case, algo.batch_spec)
+    step.check_microbatch_split(case.rollouts, case.microbatches, mesh)
+    # As step.CompiledAlgorithm: rows over ('data', 'fsdp'), the state donated.
+    rows = sharding.batch_sharding(mesh, 1)
+    fn = jax.jit(
+        algo.update,
+        in_shardings=(state_shardings, rows),
+        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=0,
+    )
+    start = time.perf_counter()
+    lowered = fn.lower(state_shape, batch)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    out = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        temporaries=m.temp_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+        code=m.generated_code_size_in_bytes,
+    )
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return dict(
+        bytes=out,
+        lower_s=lower_s,
+        compile_s=compile_s,
+        params=cfg.num_params(),
+        devices=len(jax.devices()),
+    )
+
+
+def run_case(case: Case, timeout_s: float | None = None) -> dict:
+    """``measure(case)`` in a fresh process on ``case.fsdp`` fake CPU devices; its record plus
+    the "Involuntary full rematerialization" lines of its stderr."""
+    env = common.worker_env()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={case.fsdp}"
+    with tempfile.TemporaryDirectory(prefix="jaxrlvr-bench-memory-") as tmp:
+        path = os.path.join(tmp, "record.json")
+        cmd = [sys.executable, "-m", "jaxrlvr.bench.memory", *case.argv(), "--_out", path]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return dict(case=dataclasses.asdict(case), error=f"timed out after {timeout_s} s")
+        wall = time.perf_counter() - start
+        err = proc.stderr or ""
+        warnings = [line.strip() for line in err.splitlines() if REMAT_WARNING in line]
+        if proc.returncode != 0 or not os.path.exists(path):
+            tail = err.strip().splitlines()[-3:]
+            return dict(case=dataclasses.asdict(case), error=f"exit {proc.returncode}: {tail}")
+        with open(path) as f:
+            record = json.load(f)
+    record.update(
+        case=dataclasses.asdict(case),
+        wall_s=wall,
+        remat_warnings=len(warnings),
+        remat_warning_lines=warnings[:3],
+    )
+    return record
+
+
+def _row(r: dict) -> str:
+    c = r["case"]
+    chunk = "off" if c["chunk_size"] is None else str(c["chunk_size"])
+    head = (
+        f"{c['fsdp']:>4} {c['microbatches'] if 'microbatches' in c else '':>5}"
+        f" {c['rows_per_device'] * c['fsdp']:>4} {chunk:>5} {'on' if c['packing'] else 'off':>4}"
+    )
+    if "error" in r:
+        return f"{head}  error: {r['error']}"
+    b = {k: v / GIB for k, v in r["bytes"].items()}
+    return (
+        f"{head} {b['arguments']:>7.2f} {b['outputs']:>7.2f} {b['temporaries']:>7.2f}"
+        f" {b['aliased']:>7.2f} {b['total']:>7.2f} {r['compile_s']:>8.1f} {r['remat_warnings']:>6}"
+    )
+
+
+HEADER = (
+    "fsdp   mbs rows chunk pack    args    outs   temps   alias   total  compile  remat\n"
+    "                                (GiB per device)                     (s)  warns"
+)
+
+
+def _flags(text: str, flag: str, p: argparse.ArgumentParser) -> list[bool]:
+    return [item == "on" for item in common.comma_list(p, flag, text, ("off", "on"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--_case" in argv:
+        return _worker(argv)
+    p = common.parser("memory", __doc__)
+    p.add_argument("--fsdp", default="1,8", help="comma list of fsdp sizes (fake CPU devices)")
+    p.add_argument("--chunk", default="off,on", help="chunked log-probs: off,on")
+    p.add_argument("--chunk-size", type=int, default=256, help="positions per chunk when on")
+    p.add_argument("--packing", default="off", help="packed batch fields: off,on")
+    p.add_argument("--rows-per-device", type=int, default=2, help="rows per device per microbatch")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    p.add_argument("--tiny", action="store_true", help="a tiny model at a small shape (seconds)")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.fsdp.split(",") if s]
+    except ValueError:
+        p.error(f"--fsdp: expected a comma list of integers, got {args.fsdp!r}")
+    rollouts, seq = (16, 64) if args.tiny else (ROLLOUTS, PROMPT + RESPONSE)
+    records = []
+    print(HEADER, flush=True)
+    for fsdp in sizes:
+        for chunk in _flags(args.chunk, "--chunk", p):
+            for packing in _flags(args.packing, "--packing", p):
+                case = Case(
+                    fsdp=fsdp,
+                    chunk_size=(16 if args.tiny else args.chunk_size) if chunk else None,
+                    packing=packing,
+                    rows_per_device=args.rows_per_device,
+                    rollouts=rollouts,
+                    seq=seq,
+                    tiny=args.tiny,
+                )
+                record = run_case(case, args.timeout)
+                record["case"]["microbatches"] = case.microbatches
+                records.append(record)
+                print(_row(record), flush=True)
+    common.save_json(args.json, records)
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def _worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxrlvr bench memory (worker)")
+    p.add_argument("--_case", required=True)
+    p.add_argument("--_out", required=True)
+    args = p.parse_args(argv)
+    case = Case(**json.loads(args._case))
+    common.save_json(args._out, measure(case))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
