@@ -15,15 +15,24 @@ microbatch's share, so the sum over microbatches equals the full-batch loss and 
 gradient equals the full-batch gradient exactly (the token_mean mode would be biased if each
 microbatch divided by its own token count). Per-row counts in seq_mean_token_mean are guarded with
 max(., 1) so an all-masked row contributes 0 instead of NaN.
+
+Packed rows (``segment_ids``, ``algos.segments``): "sequence" means segment, not row: B is the
+number of sequences in the batch and the per-sequence token mean is over each segment's tokens,
+so a packed batch aggregates exactly as the same rollouts padded one per row. Microbatches split
+rows, never segments, so the per-row terms stay exact.
 """
 
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.algos import loss_config
+from jaxrlvr.algos import loss_config, segments
 
 
-def loss_denominator(mask_bt: jax.Array, cfg: loss_config.PolicyLossConfig) -> jax.Array:
+def loss_denominator(
+    mask_bt: jax.Array,
+    cfg: loss_config.PolicyLossConfig,
+    segment_ids_bt: jax.Array | None = None,
+) -> jax.Array:
     """The global denominator of ``cfg.aggregation`` for the full batch, float32 scalar
     (token count: DAPO, Yu et al. 2025; B: GRPO, Shao et al. 2024; B * C: Dr. GRPO, Liu et al.
     2025).
@@ -33,14 +42,17 @@ def loss_denominator(mask_bt: jax.Array, cfg: loss_config.PolicyLossConfig) -> j
 
     Args:
       mask_bt: [B, T] bool/int/float mask of the FULL batch (all microbatches).
+      segment_ids_bt: int [B, T] of a packed batch (B then counts its sequences), or None.
     """
     loss_config.expect_array(mask_bt, "mask_bt", rank=2, kind="mask")
-    b = float(mask_bt.shape[0])
+    if segment_ids_bt is not None:
+        loss_config.expect_array(segment_ids_bt, "segment_ids_bt", shape=mask_bt.shape, kind="int")
     if cfg.aggregation == "token_mean":
         return jnp.maximum(jnp.sum(jnp.asarray(mask_bt).astype(jnp.float32)), 1.0)
+    b = segments.num_sequences(segment_ids_bt, mask_bt)
     if cfg.aggregation == "seq_mean_token_sum_norm":
-        return jnp.asarray(b * cfg.norm_constant, jnp.float32)
-    return jnp.asarray(b, jnp.float32)
+        return b * jnp.float32(cfg.norm_constant)
+    return b
 
 
 def masked_rows(per_token_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
@@ -54,6 +66,7 @@ def aggregate(
     mask_bt: jax.Array,
     cfg: loss_config.PolicyLossConfig,
     denominator: jax.Array | float,
+    segment_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """This microbatch's contribution to the aggregated loss (DAPO / GRPO / Dr. GRPO modes).
 
@@ -66,10 +79,22 @@ def aggregate(
       mask_bt: [B_mb, T] mask of the same microbatch.
       cfg: the config whose ``aggregation`` chooses the mode.
       denominator: ``loss_denominator`` of the FULL batch (scalar).
+      segment_ids_bt: int [B_mb, T] of a packed microbatch, or None (one sequence per row).
     """
     loss_config.expect_array(per_token_bt, "per_token_bt", rank=2, kind="float")
     loss_config.expect_array(mask_bt, "mask_bt", shape=per_token_bt.shape, kind="mask")
     loss_config.expect_array(denominator, "denominator", rank=0)
+    if segment_ids_bt is not None:
+        loss_config.expect_array(
+            segment_ids_bt, "segment_ids_bt", shape=per_token_bt.shape, kind="int"
+        )
+        if cfg.aggregation == "seq_mean_token_mean":
+            # Each token weighted by 1 / (its segment's token count): the sum over a segment is
+            # that segment's token mean.
+            m = jnp.asarray(mask_bt).astype(jnp.float32)
+            counts = jax.lax.stop_gradient(segments.segment_sums(m, segment_ids_bt))
+            per_token_bt = per_token_bt.astype(jnp.float32) / jnp.maximum(counts, 1.0)
+        return jnp.sum(masked_rows(per_token_bt, mask_bt)) / denominator
     row_sums = jnp.sum(masked_rows(per_token_bt, mask_bt), axis=-1)
     if cfg.aggregation == "seq_mean_token_mean":
         counts = jnp.sum(jnp.asarray(mask_bt).astype(jnp.float32), axis=-1)

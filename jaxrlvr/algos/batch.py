@@ -9,6 +9,12 @@ Per-token arrays (log-probs, values) are indexed like ``labels``.
 one ``BatchError`` naming the field, so a malformed batch fails before anything is traced or
 compiled. Each update factory publishes the ``BatchSpec`` it needs as ``update.batch_spec``.
 
+Packed batches (``algos.segments``): ``segment_ids`` [B, T] int32 (1, 2, ... per sequence in a
+row, 0 on padding) and ``positions`` [B, T] int32 (restarting at 0 in every segment) put several
+rollouts in one row; both or neither are given, and every update accepts them. Per-sequence
+fields (``advantages``, ``rewards``, ``correct``) are then per token, [B, T]: each token holds
+its sequence's value. Without segment ids they may be [B] (one sequence per row) or [B, T].
+
 Not here: building batches from rollouts (the driver) and length bucketing.
 """
 
@@ -32,8 +38,12 @@ _LAYOUT = {
     "rewards": "b",
     "old_values": "bt",
     "correct": "b",
+    "segment_ids": "bt",
+    "positions": "bt",
 }
-_INT_FIELDS = ("input_ids", "labels")
+# Packed rows: optional for every update, both or neither.
+PACKING_FIELDS = ("segment_ids", "positions")
+_INT_FIELDS = ("input_ids", "labels", "segment_ids", "positions")
 _MASK_FIELDS = ("attention_mask", "loss_mask")
 
 
@@ -54,6 +64,8 @@ class Batch:
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).
+    segment_ids, positions: int32 [B, T], packed rows (module docstring); then the per-sequence
+    fields advantages, rewards and correct are per token, [B, T].
     """
 
     input_ids: jax.Array
@@ -67,6 +79,8 @@ class Batch:
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
     correct: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,11 +129,14 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
     """
     if not isinstance(batch, Batch):
         raise BatchError(f"expected a jaxrlvr.algos.batch.Batch, got {type(batch).__name__}")
-    allowed = set(BASE_FIELDS) | set(spec.required) | set(spec.optional)
+    allowed = set(BASE_FIELDS) | set(spec.required) | set(spec.optional) | set(PACKING_FIELDS)
     ref = batch.input_ids
     if not hasattr(ref, "shape") or len(ref.shape) != 2:
         raise BatchError(f"batch.input_ids must be [B, T], got shape {getattr(ref, 'shape', None)}")
     b, t = ref.shape
+    packed = batch.segment_ids is not None
+    if packed != (batch.positions is not None):
+        raise BatchError("batch.segment_ids and batch.positions go together: give both or neither")
     for name in _LAYOUT:
         x = getattr(batch, name)
         needed = name in BASE_FIELDS or name in spec.required
@@ -132,8 +149,10 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
                 f"batch.{name} is not used by this update (it uses {sorted(allowed)}); "
                 "set it to None"
             )
-        want = (b, t) if _LAYOUT[name] == "bt" else (b,)
+        want = (b, t) if _LAYOUT[name] == "bt" or packed else (b,)
         shape = tuple(getattr(x, "shape", ()))
+        if _LAYOUT[name] == "b" and not packed and shape == (b, t):
+            want = shape  # per-sequence values given per token
         if shape != want:
             raise BatchError(
                 f"batch.{name} must have shape {want} (B, T from input_ids), got {shape}"

@@ -13,7 +13,7 @@ Not here: the critic itself and the update loop. GRPO-style group advantages liv
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.algos import aggregation, loss_config
+from jaxrlvr.algos import aggregation, loss_config, segments
 
 
 def ppo_token_rewards(
@@ -21,27 +21,30 @@ def ppo_token_rewards(
     kl_bt: jax.Array,
     mask_bt: jax.Array,
     beta: float,
+    segment_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token PPO rewards, float32 [B, T]: -beta * KL on every valid token, plus the task
-    reward on the last valid token of each row (InstructGPT-style, Ouyang et al. 2022).
+    reward on the last valid token of each sequence (InstructGPT-style, Ouyang et al. 2022).
 
     r[b, t] = m[b, t] * (-beta * kl[b, t]) + task[b] * [t == last valid t of row b].
-    A row with no valid token gets no reward at all.
+    A row with no valid token gets no reward at all. Packed rows (``segment_ids_bt``): the same
+    per segment, with the task reward given per token (each token holds its sequence's).
 
     Args:
-      task_reward_b: [B] bool/int/float; kl_bt: floating [B, T] (e.g. ``kl.kl_estimate``);
-      mask_bt: [B, T]; beta: KL coefficient.
+      task_reward_b: [B] (or per token [B, T]) bool/int/float; kl_bt: floating [B, T] (e.g.
+      ``kl.kl_estimate``); mask_bt: [B, T]; beta: KL coefficient; segment_ids_bt: int [B, T]
+      or None (one sequence per row).
     """
     loss_config.expect_array(kl_bt, "kl_bt", rank=2, kind="float")
-    loss_config.expect_array(task_reward_b, "task_reward_b", shape=kl_bt.shape[:1], kind="real")
+    loss_config.expect_array(task_reward_b, "task_reward_b", rank={1, 2}, kind="real")
+    loss_config.expect_array(
+        task_reward_b, "task_reward_b", shape=kl_bt.shape[: task_reward_b.ndim]
+    )
     loss_config.expect_array(mask_bt, "mask_bt", shape=kl_bt.shape, kind="mask")
-    valid = jnp.asarray(mask_bt) != 0
-    t = kl_bt.shape[1]
-    # last valid index = T - 1 - (first valid index of the reversed row)
-    last = t - 1 - jnp.argmax(valid[:, ::-1], axis=-1)
-    is_last = (jnp.arange(t)[None, :] == last[:, None]) & jnp.any(valid, axis=-1, keepdims=True)
+    is_last = segments.last_valid(mask_bt, segment_ids_bt)
+    task = segments.per_token(jnp.asarray(task_reward_b).astype(jnp.float32), kl_bt.shape)
     rewards = aggregation.masked_rows(-beta * kl_bt.astype(jnp.float32), mask_bt)
-    return rewards + jnp.where(is_last, task_reward_b.astype(jnp.float32)[:, None], 0.0)
+    return rewards + jnp.where(is_last, task, 0.0)
 
 
 def compute_gae(
@@ -50,6 +53,7 @@ def compute_gae(
     mask_bt: jax.Array,
     gamma: float,
     lam: float,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation (Schulman et al. 2016) over valid tokens.
 
@@ -59,9 +63,12 @@ def compute_gae(
         returns_t = A_t + V_t.
     Computed by ``lax.scan`` over reversed time; masked tokens are skipped (the carry passes
     through them) and get A = returns = 0, so right padding and interior masked tokens both work.
+    The last valid token of each sequence bootstraps from nothing: with packed rows
+    (``segment_ids_bt``) the recursion restarts at every segment, never reading the next one.
 
     Args:
-      rewards_bt, values_bt: floating [B, T]; mask_bt: [B, T]; gamma, lam: discount and GAE lambda.
+      rewards_bt, values_bt: floating [B, T]; mask_bt: [B, T]; gamma, lam: discount and GAE lambda;
+      segment_ids_bt: int [B, T] of packed rows, or None (one sequence per row).
     Returns:
       (advantages float32 [B, T], returns float32 [B, T]); both carry no gradient.
     """
@@ -72,17 +79,21 @@ def compute_gae(
     v = jax.lax.stop_gradient(values_bt.astype(jnp.float32))
     valid = jnp.asarray(mask_bt) != 0
     r, v = jnp.where(valid, r, 0.0), jnp.where(valid, v, 0.0)
+    # The end of a sequence: its successor's value and advantage are 0 (a no-op for the last
+    # valid token of an unpacked row, whose carry is still the initial zeros).
+    ends = segments.last_valid(mask_bt, segment_ids_bt)
 
     def step(carry, xs):
         next_v, next_a = carry
-        r_t, v_t, m_t = xs
+        r_t, v_t, m_t, end_t = xs
+        next_v, next_a = jnp.where(end_t, 0.0, next_v), jnp.where(end_t, 0.0, next_a)
         delta = r_t + gamma * next_v - v_t
         a_t = delta + gamma * lam * next_a
         new_carry = (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a))
         return new_carry, jnp.where(m_t, a_t, 0.0)
 
     zeros = jnp.zeros(r.shape[:1], jnp.float32)
-    _, adv_tb = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, valid.T), reverse=True)
+    _, adv_tb = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, valid.T, ends.T), reverse=True)
     adv = adv_tb.T
     return adv, jnp.where(valid, adv + v, 0.0)
 

@@ -15,7 +15,7 @@ policy loss multiplies its policy-gradient term by it.
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.algos import aggregation, loss_config
+from jaxrlvr.algos import aggregation, loss_config, segments
 
 
 def tis_weights(
@@ -26,6 +26,7 @@ def tis_weights(
     cap: float,
     *,
     log_ratio_clamp: float = 20.0,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Truncated IS weights (Yao et al. 2025) and the "was truncated" indicator, float32 [B, T].
 
@@ -36,6 +37,7 @@ def tis_weights(
 
     Args:
       old_logp_bt, sampler_logp_bt: floating [B, T]; mask_bt: [B, T].
+      segment_ids_bt: int [B, T] of packed rows: the sequence weight is per segment.
     """
     loss_config.expect_array(old_logp_bt, "old_logp_bt", rank=2, kind="float")
     loss_config.expect_array(
@@ -50,7 +52,7 @@ def tis_weights(
         old_logp_bt.astype(jnp.float32) - sampler_logp_bt.astype(jnp.float32), mask_bt
     )
     if level == "sequence":
-        diff = jnp.broadcast_to(jnp.sum(diff, axis=-1, keepdims=True), diff.shape)
+        diff = jnp.broadcast_to(segments.segment_sums(diff, segment_ids_bt), diff.shape)
     log_w = jax.lax.stop_gradient(jnp.clip(diff, -log_ratio_clamp, log_ratio_clamp))
     truncated = (log_w > jnp.log(cap)).astype(jnp.float32)
     return jnp.minimum(jnp.exp(log_w), cap), truncated

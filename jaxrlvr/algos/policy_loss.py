@@ -30,7 +30,7 @@ passes a mask from ``shaping.mask_truncated_completions``).
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.algos import aggregation, importance, kl, loss_config
+from jaxrlvr.algos import aggregation, importance, kl, loss_config, segments
 
 _f32 = jnp.float32
 
@@ -46,6 +46,7 @@ def policy_loss(
     ref_logp_bt: jax.Array | None = None,
     sampler_logp_bt: jax.Array | None = None,
     entropy_bt: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This microbatch's share of the policy loss (formula in the module docstring).
 
@@ -62,6 +63,9 @@ def policy_loss(
         mismatch metrics are reported.
       entropy_bt: [B, T] token entropy (``losses.compute_entropy``), differentiable; required
         when entropy_coef != 0; reported when given.
+      segment_ids_bt: int [B, T] of packed rows (``algos.segments``): the sequence-level terms
+        (GSPO's ratio, sequence TIS, the seq_mean aggregations) are then per segment, and
+        ``adv_b`` must be per token. None: one sequence per row.
     Returns:
       (loss scalar float32, metrics) as described in the module docstring.
     """
@@ -79,6 +83,9 @@ def policy_loss(
     ]:
         if x is not None:
             loss_config.expect_array(x, name, shape=shape, kind="float")
+    if segment_ids_bt is not None:
+        loss_config.expect_array(segment_ids_bt, "segment_ids_bt", shape=shape, kind="int")
+        loss_config.expect_array(adv_b, "adv_b", shape=shape)
     if cfg.kl_coef > 0 and cfg.kl_in == "loss" and ref_logp_bt is None:
         raise ValueError("kl_coef > 0 with kl_in='loss' requires `ref_logp_bt`")
     if cfg.tis != "none" and sampler_logp_bt is None:
@@ -95,10 +102,8 @@ def policy_loss(
     diff = jnp.where(valid, lp - old, 0.0)
     if cfg.ratio_level == "sequence":
         # GSPO: s_i = (pi/pi_old)^(1/|y_i|), the same for every token of the sequence.
-        seq = jnp.sum(diff, axis=-1, keepdims=True) / jnp.maximum(
-            jnp.sum(m, axis=-1, keepdims=True), 1.0
-        )
-        diff = jnp.broadcast_to(seq, shape)
+        # Packed rows: the mean over each token's own segment.
+        diff = jnp.broadcast_to(segments.segment_mean(diff, m, segment_ids_bt), shape)
     ratio = jnp.exp(jnp.clip(diff, -clamp, clamp))
 
     adv = jax.lax.stop_gradient(jnp.asarray(adv_b).astype(_f32))
@@ -117,7 +122,13 @@ def policy_loss(
 
     if sampler_logp_bt is not None:
         w, truncated = importance.tis_weights(
-            old, sampler_logp_bt, mask_bt, cfg.tis, cfg.tis_cap, log_ratio_clamp=clamp
+            old,
+            sampler_logp_bt,
+            mask_bt,
+            cfg.tis,
+            cfg.tis_cap,
+            log_ratio_clamp=clamp,
+            segment_ids_bt=segment_ids_bt,
         )
         tis_stats = importance.tis_metrics(old, sampler_logp_bt, mask_bt, w, truncated)
     else:
@@ -139,7 +150,11 @@ def policy_loss(
     ent = entropy_bt.astype(_f32) if entropy_bt is not None else zeros
 
     per_token = pg + kl_term - cfg.entropy_coef * ent
-    loss = aggregation.aggregate(per_token, mask_bt, cfg, denominator)
+
+    def agg(x: jax.Array) -> jax.Array:
+        return aggregation.aggregate(x, mask_bt, cfg, denominator, segment_ids_bt)
+
+    loss = agg(per_token)
 
     def tsum(x: jax.Array) -> jax.Array:
         return jax.lax.stop_gradient(jnp.sum(aggregation.masked_rows(x, mask_bt)))
@@ -147,8 +162,8 @@ def policy_loss(
     sg_ratio = jax.lax.stop_gradient(ratio)
     metrics = {
         "loss": jax.lax.stop_gradient(loss),
-        "pg_loss": jax.lax.stop_gradient(aggregation.aggregate(pg, mask_bt, cfg, denominator)),
-        "kl_loss": jax.lax.stop_gradient(aggregation.aggregate(kl_term, mask_bt, cfg, denominator)),
+        "pg_loss": jax.lax.stop_gradient(agg(pg)),
+        "kl_loss": jax.lax.stop_gradient(agg(kl_term)),
         "token_count": jnp.sum(m),
         "clip_frac_sum": tsum(clipped.astype(_f32)),
         "clip_low_frac_sum": tsum(((sg_ratio < 1.0 - cfg.clip_eps_low) & (adv < 0)).astype(_f32)),

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrlvr.algos import aggregation, gae, kl, loss_config, policy_loss, value
+from jaxrlvr.algos import aggregation, gae, kl, loss_config, policy_loss, segments, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import state as state_lib
 from jaxrlvr.model import logprobs as logprobs_lib
@@ -195,7 +195,9 @@ def token_logprobs(
     lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log-probs [B, T], entropy [B, T], final hidden states [B, T, D]) of ``batch.labels``."""
-    hidden, _ = lm.backbone(batch.input_ids, batch.attention_mask)
+    hidden, _ = lm.backbone(
+        batch.input_ids, batch.attention_mask, batch.positions, segment_ids=batch.segment_ids
+    )
     logp, ent = token_logprobs_from_hidden(
         lm, hidden, batch.labels, entropy_grad=entropy_grad, chunk_size=chunk_size
     )
@@ -390,11 +392,17 @@ def make_logprob_fn(
                 f"batch size B={batch.input_ids.shape[0]} is not divisible by "
                 f"num_microbatches={num_microbatches}"
             )
-        inputs = (batch.input_ids, batch.attention_mask, batch.labels)
+        inputs = (
+            batch.input_ids,
+            batch.attention_mask,
+            batch.labels,
+            batch.positions,
+            batch.segment_ids,
+        )
 
         def one(x):
-            ids, mask, labels = x
-            hidden, _ = lm.backbone(ids, mask)
+            ids, mask, labels, positions, segment_ids = x
+            hidden, _ = lm.backbone(ids, mask, positions, segment_ids=segment_ids)
             return token_logprobs_from_hidden(lm, hidden, labels, chunk_size=chunk_size)
 
         if num_microbatches == 1:
@@ -432,7 +440,8 @@ def make_sft_update(
         if cfg.normalize_constant is None:
             denom = jnp.maximum(jnp.sum(batch.loss_mask.astype(_f32)), 1.0)
         else:
-            denom = jnp.asarray(batch.input_ids.shape[0] * cfg.normalize_constant, _f32)
+            n = segments.num_sequences(batch.segment_ids, batch.loss_mask)
+            denom = n * jnp.float32(cfg.normalize_constant)
         return batch, denom
 
     def loss_fn(params, mb, denom):
@@ -495,6 +504,7 @@ def _policy_terms(logp, ent, mb, adv, mask, loss_cfg, denom):
         ref_logp_bt=mb.ref_logp,
         sampler_logp_bt=mb.sampler_logp,
         entropy_bt=ent,
+        segment_ids_bt=mb.segment_ids,
     )
     metrics = dict(metrics)
     metrics["policy_loss"] = metrics["loss"]
@@ -520,7 +530,7 @@ def make_grpo_update(
     entropy_grad = cfg.loss.entropy_coef != 0
 
     def full_batch(batch):
-        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss)
+        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
@@ -555,8 +565,11 @@ def ppo_advantages(batch: batch_lib.Batch, cfg: PPOUpdateConfig) -> tuple[jax.Ar
         beta = loss.kl_coef
     else:
         kl_bt, beta = jnp.zeros(mask.shape, _f32), 0.0
-    rewards_bt = gae.ppo_token_rewards(batch.rewards, kl_bt, mask, beta)
-    adv, returns = gae.compute_gae(rewards_bt, batch.old_values, mask, cfg.gamma, cfg.lam)
+    seg = batch.segment_ids
+    rewards_bt = gae.ppo_token_rewards(batch.rewards, kl_bt, mask, beta, segment_ids_bt=seg)
+    adv, returns = gae.compute_gae(
+        rewards_bt, batch.old_values, mask, cfg.gamma, cfg.lam, segment_ids_bt=seg
+    )
     if cfg.normalize_advantages:
         m = mask.astype(_f32)
         n = jnp.maximum(jnp.sum(m), 1.0)
@@ -609,7 +622,7 @@ def make_ppo_update(
 
     def full_batch(batch):
         adv_bt, returns_bt = ppo_advantages(batch, cfg)
-        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss)
+        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
         v_denom = aggregation.loss_denominator(batch.loss_mask, token_mean)
         return (batch, adv_bt, returns_bt), (denom, v_denom)
 
@@ -625,7 +638,12 @@ def make_ppo_update(
             # The critic's own trunk: no parameter in common with the policy, so each loss's
             # gradient reaches only its own model.
             values = value.value_model_values(
-                value_graphdef, value_params, mb.input_ids, mb.attention_mask
+                value_graphdef,
+                value_params,
+                mb.input_ids,
+                mb.attention_mask,
+                positions_bt=mb.positions,
+                segment_ids_bt=mb.segment_ids,
             )
         else:
             if cfg.trunk == "detached":

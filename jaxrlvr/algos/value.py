@@ -104,11 +104,16 @@ def value_model_values(
     value_params: ValueModelParams,
     input_ids_bt: jax.Array,
     attention_mask_bt: jax.Array | None,
+    *,
+    positions_bt: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """V [B, T] float32 of a separate critic (``init_value_model``): its own backbone, then the
-    head."""
+    head. ``positions_bt`` / ``segment_ids_bt``: packed rows (``algos.segments``)."""
     critic = nnx.merge(value_graphdef, value_params["backbone"])
-    hidden, _ = critic.backbone(input_ids_bt, attention_mask_bt)
+    hidden, _ = critic.backbone(
+        input_ids_bt, attention_mask_bt, positions_bt, segment_ids=segment_ids_bt
+    )
     return values_from_hidden(value_params["head"], hidden)
 
 
@@ -128,10 +133,17 @@ def make_value_fn(
     def value_fn(params: nnx.State, value_params: Any, batch: batch_lib.Batch):
         if value_graphdef is not None:
             return value_model_values(
-                value_graphdef, value_params, batch.input_ids, batch.attention_mask
+                value_graphdef,
+                value_params,
+                batch.input_ids,
+                batch.attention_mask,
+                positions_bt=batch.positions,
+                segment_ids_bt=batch.segment_ids,
             )
         lm = nnx.merge(graphdef, params)
-        hidden, _ = lm.backbone(batch.input_ids, batch.attention_mask)
+        hidden, _ = lm.backbone(
+            batch.input_ids, batch.attention_mask, batch.positions, segment_ids=batch.segment_ids
+        )
         return values_from_hidden(value_params, hidden)
 
     return value_fn

@@ -12,6 +12,10 @@ Semantics follow transformers: ``attention_mask`` [B, T] marks real tokens (1) a
 the causal mask is by index; ``position_ids`` default to ``arange(T)`` regardless of padding (pass
 them explicitly for left padding). Norms, softmax and rotary tables are computed in float32.
 
+Packed rows (an extension, not in transformers): ``segment_ids`` [B, T] (1, 2, ... per sequence,
+0 on padding; ``algos.segments``) restrict attention to keys of the query's own segment, so
+several sequences share a row without seeing each other; pass per-segment ``position_ids``.
+
 Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 uses none of them).
 """
 
@@ -385,9 +389,19 @@ class Qwen2ForCausalLM(nnx.Module):
             self.lm_head = None
 
     def backbone(
-        self, input_ids, attention_mask=None, position_ids=None, *, cache=None, cache_index=0
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        *,
+        segment_ids=None,
+        cache=None,
+        cache_index=0,
     ):
-        """Final hidden states [B, T, D] (after the last norm), and the updated cache or None."""
+        """Final hidden states [B, T, D] (after the last norm), and the updated cache or None.
+
+        ``segment_ids`` [B, T] (packed rows, no cache): a query attends only to keys of its own
+        segment (block-diagonal causal mask)."""
         cfg, mesh = self.config, self.mesh
         b, t = input_ids.shape
         if position_ids is None:
@@ -406,6 +420,11 @@ class Qwen2ForCausalLM(nnx.Module):
             slots = jnp.arange(s)
             query_slots = cache_index + jnp.arange(t)
         mask_bts = (slots[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) are for the cache-free forward")
+            seg = segment_ids.astype(jnp.int32)
+            mask_bts = mask_bts & (seg[:, :, None] == seg[:, None, :])
 
         embedding = self.model.embed_tokens.embedding.get_value()
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.compute_dtype)
@@ -432,10 +451,22 @@ class Qwen2ForCausalLM(nnx.Module):
         return sharding.constrain(logits.astype(dtype), ("batch", "seq", "vocab"), self.mesh)
 
     def __call__(
-        self, input_ids, attention_mask=None, position_ids=None, *, cache=None, cache_index=0
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        *,
+        segment_ids=None,
+        cache=None,
+        cache_index=0,
     ):
         hidden, new_cache = self.backbone(
-            input_ids, attention_mask, position_ids, cache=cache, cache_index=cache_index
+            input_ids,
+            attention_mask,
+            position_ids,
+            segment_ids=segment_ids,
+            cache=cache,
+            cache_index=cache_index,
         )
         logits = self.lm_logits(hidden)
         return logits if cache is None else (logits, new_cache)
