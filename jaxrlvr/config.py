@@ -194,7 +194,7 @@ class SFTSection:
     """Supervised warm start (or the whole run when ``rl.algo`` is "none").
 
     ``data``: "gold" (train problems with their reference completions) or a jsonl file with
-    prompt/response fields.
+    prompt/response fields. ``packing`` / ``max_tokens_per_row``: as in ``RLSection``.
     """
 
     steps: int = 0
@@ -203,6 +203,8 @@ class SFTSection:
     # Positions per lm_head/log-softmax chunk (``updates.SFTUpdateConfig.logprob_chunk_size``):
     # bounds the [tokens, V] float32 logits; None computes them whole.
     logprob_chunk_size: int | None = None
+    packing: bool = True
+    max_tokens_per_row: int | None = None
     data: str = "gold"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -211,7 +213,14 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLSection:
-    """The RL phase: algorithm, batch shape, estimators and the field's data-side options."""
+    """The RL phase: algorithm, batch shape, estimators and the field's data-side options.
+
+    ``packing``: several rollouts per row (segment ids, per-segment positions; exact: the same
+    loss and gradient as one rollout per padded row), rows of ``max_tokens_per_row`` positions
+    (default: the length bucket of the step's longest rollout), the row count rounded up to a
+    bucket that ``microbatches`` x the mesh's batch shards divides (``rollout.row_bucket``).
+    Off: one rollout per row, right-padded to the length bucket.
+    """
 
     algo: Literal["grpo", "ppo", "expert_iteration", "none"] = "grpo"
     steps: int = 100
@@ -240,6 +249,8 @@ class RLSection:
     length_reward_from_step: int = 0
     overlong_cache_len: int | None = None
     mask_forced_tokens: bool = True
+    packing: bool = True
+    max_tokens_per_row: int | None = None
 
     @property
     def rollouts_per_step(self) -> int:
@@ -249,6 +260,8 @@ class RLSection:
         for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
             if getattr(self, key) < (0 if key == "steps" else 1):
                 raise ValueError(f"{key}={getattr(self, key)!r} must be positive")
+        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
+            raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
         if self.algo == "grpo" and self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt"

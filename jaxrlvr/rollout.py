@@ -1,10 +1,17 @@
-"""From graded completions to a padded rollout batch: reward shaping, advantages, packing.
+"""From graded completions to a rollout batch: reward shaping, advantages, padding or packing.
 
 Host-side glue between the sampler, the verifiers and the update: it turns one step's prompts and
-sampled completions into numpy arrays of fixed batch size and a bucketed length (so the jitted
-update compiles once per bucket), aligned the way ``algos.batch.Batch`` expects: row =
-``[prompt][completion][pad]`` shifted by one, ``loss_mask`` on completion labels, sampler
-log-probs on the same positions.
+sampled completions into numpy arrays of bucketed shapes (so the jitted update compiles once per
+bucket), aligned the way ``algos.batch.Batch`` expects: a sequence is ``[prompt][completion]``
+shifted by one, ``loss_mask`` on completion labels, sampler log-probs on the same positions.
+
+Two layouts. Padded: one sequence per row, rows right-padded to the length bucket. Packed
+(``pack(segments=True)``, the driver's default): sequences are laid one after another in rows of
+a token budget T (first-fit decreasing), with ``segment_ids``/``positions`` (``algos.segments``),
+and the row count rounded up to a bucket (``row_bucket``: a multiple of ``row_multiple`` times 1,
+2, 3, 4, 6, 8, 12, ...), so the number of compiled shapes stays small while the padding that a
+heavy-tailed length distribution leaves in a padded batch is not computed. Per-sequence fields
+(advantages, rewards, correct) become per token in the packed layout (``PackedBatch.per_token``).
 
 Left out: sampling itself (``sampling/``), the loss math (``algos/``).
 """
@@ -24,9 +31,24 @@ from jaxrlvr.model.buckets import length_bucket
 from jaxrlvr.sampling.base import Completion
 
 
+def row_bucket(rows: int, multiple: int = 1) -> int:
+    """Smallest ``multiple * k`` >= ``rows`` with k in 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers
+    of two and 1.5 times them: at most a third of the rows are padding, few distinct shapes)."""
+    power = 1
+    while True:
+        for k in (power, power * 3 // 2) if power >= 2 else (power,):
+            if multiple * k >= rows:
+                return multiple * k
+        power *= 2
+
+
 @dataclasses.dataclass
 class PackedBatch:
-    """Numpy arrays of one batch, B rows x T positions (see ``algos.batch.Batch``)."""
+    """Numpy arrays of one batch, B rows x T positions (see ``algos.batch.Batch``).
+
+    Packed layout: ``segment_ids``/``positions`` [B, T] and ``placement`` [N, 3] (row, first
+    position, end position) of each of the N sequences, in input order; None when padded.
+    """
 
     input_ids: np.ndarray
     attention_mask: np.ndarray
@@ -34,10 +56,20 @@ class PackedBatch:
     loss_mask: np.ndarray
     sampler_logp: np.ndarray
     num_tokens: int  # response tokens in the loss
+    segment_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    placement: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.input_ids.shape
+
+    def per_token(self, values: np.ndarray) -> np.ndarray:
+        """[N] per-sequence values as float32 [B, T] on their sequences' tokens (0 on padding)."""
+        out = np.zeros(self.shape, np.float32)
+        for value, (row, start, end) in zip(np.asarray(values, np.float32), self.placement):
+            out[row, start:end] = value
+        return out
 
 
 def pack(
@@ -50,6 +82,9 @@ def pack(
     sampler_logps: Sequence[Sequence[float]] | None = None,
     loss_weights: Sequence[Sequence[float]] | None = None,
     max_length: int | None = None,
+    segments: bool = False,
+    row_tokens: int | None = None,
+    row_multiple: int = 1,
 ) -> PackedBatch:
     """Packs prompt + completion rows into shifted, right-padded arrays.
 
@@ -61,10 +96,27 @@ def pack(
       sampler_logps: per completion token, the sampler's log-prob (stored at the label position).
       loss_weights: per completion token, 0/1 weights (e.g. 0 for forced tokens).
       max_length: cap for the default bucket.
+      segments: pack several sequences per row (module docstring); then ``batch_size`` (if
+        given) fixes the row count, and the default row count is ``row_bucket`` of the rows used.
+      row_tokens: packed rows' length T (at least the bucket of the longest sequence).
+      row_multiple: packed row counts are multiples of it (microbatches x batch shards).
     """
     rows = len(prompts)
     if len(completions) != rows:
         raise ValueError(f"pack: {rows} prompts but {len(completions)} completions")
+    if segments:
+        return _pack_segments(
+            prompts,
+            completions,
+            pad_id=pad_id,
+            batch_size=batch_size,
+            length=length,
+            sampler_logps=sampler_logps,
+            loss_weights=loss_weights,
+            max_length=max_length,
+            row_tokens=row_tokens,
+            row_multiple=row_multiple,
+        )
     batch_size = rows if batch_size is None else batch_size
     if batch_size < rows:
         raise ValueError(f"pack: batch_size={batch_size} is smaller than the {rows} rows given")
@@ -101,6 +153,92 @@ def pack(
         loss_mask=loss_mask,
         sampler_logp=sampler_logp,
         num_tokens=int(loss_mask.sum()),
+    )
+
+
+def _pack_segments(
+    prompts,
+    completions,
+    *,
+    pad_id,
+    batch_size,
+    length,
+    sampler_logps,
+    loss_weights,
+    max_length,
+    row_tokens,
+    row_multiple,
+) -> PackedBatch:
+    """``pack(segments=True)``: first-fit decreasing into rows of T positions."""
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    sizes = [max(len(s) - 1, 0) for s in seqs]
+    longest = max((len(s) for s in seqs), default=2)
+    if length is None:
+        length = max(length_bucket(longest, maximum=max_length) - 1, row_tokens or 0)
+    if max(sizes, default=0) > length:
+        raise ValueError(
+            f"pack: a row of {max(sizes) + 1} tokens does not fit length T={length} + 1"
+        )
+    # First-fit decreasing (stable for equal sizes): rows end up nearly full.
+    free: list[int] = []
+    where = [(0, 0)] * len(seqs)
+    for i in sorted(range(len(seqs)), key=lambda i: -sizes[i]):
+        if sizes[i] == 0:
+            continue
+        row = next((r for r, f in enumerate(free) if f >= sizes[i]), None)
+        if row is None:
+            row = len(free)
+            free.append(length)
+        where[i] = (row, length - free[row])
+        free[row] -= sizes[i]
+    rows = max(len(free), 1)
+    b = row_bucket(rows, row_multiple) if batch_size is None else batch_size
+    if b < rows:
+        raise ValueError(f"pack: batch_size={b} is smaller than the {rows} packed rows needed")
+    input_ids = np.full((b, length), pad_id, np.int32)
+    labels = np.full((b, length), pad_id, np.int32)
+    attention = np.zeros((b, length), np.int32)
+    loss_mask = np.zeros((b, length), np.float32)
+    sampler_logp = np.zeros((b, length), np.float32)
+    segment_ids = np.zeros((b, length), np.int32)
+    positions = np.zeros((b, length), np.int32)
+    placement = np.zeros((len(seqs), 3), np.int64)
+    # Segment ids 1, 2, ... in position order within each row.
+    order = sorted(range(len(seqs)), key=lambda i: where[i])
+    counts = [0] * b
+    for i in order:
+        n = sizes[i]
+        row, start = where[i]
+        end = start + n
+        placement[i] = (row, start, end)
+        if n == 0:
+            continue
+        full = np.asarray(seqs[i], np.int32)
+        counts[row] += 1
+        input_ids[row, start:end] = full[:-1]
+        labels[row, start:end] = full[1:]
+        attention[row, start:end] = 1
+        segment_ids[row, start:end] = counts[row]
+        positions[row, start:end] = np.arange(n)
+        c = completions[i]
+        first = start + len(prompts[i]) - 1  # label position of the first completion token
+        if len(c):
+            weights = np.ones(len(c), np.float32)
+            if loss_weights is not None:
+                weights = np.asarray(loss_weights[i], np.float32)
+            loss_mask[row, first : first + len(c)] = weights
+            if sampler_logps is not None:
+                sampler_logp[row, first : first + len(c)] = np.asarray(sampler_logps[i], np.float32)
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        labels=labels,
+        loss_mask=loss_mask,
+        sampler_logp=sampler_logp,
+        num_tokens=int(loss_mask.sum()),
+        segment_ids=segment_ids,
+        positions=positions,
+        placement=placement,
     )
 
 
@@ -151,13 +289,20 @@ def group_advantages(
 
 
 def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batch:
-    """A host ``Batch`` (NumPy) from packed rows plus per-row/per-token ``fields``."""
+    """A host ``Batch`` (NumPy) from packed rows plus per-sequence [N] / per-token ``fields``
+    (in the packed layout, [N] fields are spread over their sequences' tokens)."""
     arrays = dict(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
         labels=packed.labels,
         loss_mask=packed.loss_mask,
     )
+    if packed.segment_ids is not None:
+        arrays.update(segment_ids=packed.segment_ids, positions=packed.positions)
+        fields = {
+            k: packed.per_token(v) if v is not None and np.ndim(v) == 1 else v
+            for k, v in fields.items()
+        }
     arrays.update({k: v for k, v in fields.items() if v is not None})
     return batch_lib.Batch(**{k: np.asarray(v) for k, v in arrays.items()})
 
@@ -166,7 +311,10 @@ def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batc
 class ShapingConfig:
     """The host-side choices of turning graded completions into a rollout batch (the driver
     fills it from ``rl.*``): advantage estimator, Kimi length reward, DAPO overlong penalty,
-    forced-token and truncation masking, zero-variance group dropping."""
+    forced-token and truncation masking, zero-variance group dropping, and the layout: packed
+    rows (``packing``: several rollouts per row of ``max_tokens_per_row`` positions, default the
+    length bucket of the longest rollout; row counts a multiple of ``row_multiple``) or one
+    rollout per padded row."""
 
     group_size: int
     advantage: loss_config.AdvantageConfig = dataclasses.field(
@@ -177,6 +325,9 @@ class ShapingConfig:
     mask_forced_tokens: bool = True
     mask_truncated: bool = False
     drop_zero_variance_groups: bool = False
+    packing: bool = False
+    max_tokens_per_row: int | None = None
+    row_multiple: int = 1
 
 
 def shape(
@@ -223,6 +374,9 @@ def shape(
         sampler_logps=[c.logprobs for c in completions],
         loss_weights=weights,
         max_length=max_length,
+        segments=cfg.packing,
+        row_tokens=cfg.max_tokens_per_row,
+        row_multiple=cfg.row_multiple,
     )
     batch = to_batch(
         packed, advantages=adv, rewards=rewards, correct=correct, sampler_logp=packed.sampler_logp
@@ -243,6 +397,8 @@ def shape(
             "tokens/response": int(lengths.sum()),
             "tokens/batch_shape_T": int(packed.shape[1]),
             "tokens/attended": int(packed.attention_mask.sum()),
+            "tokens/batch_shape_B": int(packed.shape[0]),
+            "tokens/padding_fraction": 1.0 - float(packed.attention_mask.mean()),
         }
     )
     return batch, metrics
