@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrlvr import model as M
 from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
 from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.model import weights
 from jaxrlvr.sampling import base, jax_sampler
 
 PLATFORMS = ("tpu", "cuda")
@@ -236,6 +237,33 @@ def test_update_and_prepare_lower(arch, name, platform):
     )
 
 
+# The step-0 state: the driver runs ``init`` eagerly (op by op, each op compiled on its own), so
+# lowering it as one program covers the same ops: optimiser moments, the KL reference copy, the
+# PPO value head's random init, the separate critic's copy of the policy.
+INIT_CASES = ("sft", "grpo_kl_loss", "ppo_shared", "ppo_separate")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", INIT_CASES)
+def test_algorithm_init_lowers(arch, name, platform):
+    _, _, shardings, _, _, algo = _compiled(name, arch)
+    params_sh = M.param_shardings(arch.params, arch.mesh)
+    init = jax.jit(lambda p: algo.init(p, 0), in_shardings=(params_sh,), out_shardings=shardings)
+    exported = export(
+        f"{name}/init",
+        platform,
+        init,
+        arch.params,
+        expected_shardings=(params_sh,),
+        runs_model=False,
+    )
+    got = exported.out_shardings_jax(arch.mesh)
+    want = jax.tree.leaves(shardings)
+    assert all(
+        g.is_equivalent_to(w, a.ndim) for g, w, a in zip(got, want, exported.out_avals, strict=True)
+    )
+
+
 def test_every_algorithm_factory_is_covered():
     """A new algorithm record must be added to ALGORITHMS (and so to the portability check)."""
     factories = {"sft", "expert_iteration", "grpo", "ppo"}
@@ -291,6 +319,17 @@ def _cache_shardings(cache: M.KVCache, mesh) -> M.KVCache:
         k=tuple(M.logical_sharding(qwen2.CACHE_K_AXES, x.shape, mesh) for x in cache.k),
         v=tuple(M.logical_sharding(qwen2.CACHE_V_AXES, x.shape, mesh) for x in cache.v),
     )
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_model_init_lowers(arch, platform):
+    """``model.init_model``'s program (random initialisation, created sharded)."""
+    exported = export(
+        "model/init", platform, weights.init_state_fn(arch.cfg, mesh=arch.mesh), runs_model=False
+    )
+    text = exported.mlir_module()
+    constraints = text.count("sdy.sharding_constraint") + text.count("@Sharding")
+    assert constraints >= len(jax.tree.leaves(arch.params))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -555,10 +555,19 @@ def save_hf(
 def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalLM:
     """A randomly initialised model; with a mesh, created directly with its shardings.
 
-    Creation runs as one jitted program: eager construction would compile a random-number kernel
-    per parameter shape (seconds each on a CPU). With or without a mesh the values are the same
-    (to float32 rounding: XLA may fuse the scaling differently from eager construction).
+    Creation runs as one jitted program (``init_state_fn``): eager construction would compile a
+    random-number kernel per parameter shape (seconds each on a CPU). With or without a mesh the
+    values are the same (to float32 rounding: XLA may fuse the scaling differently from eager
+    construction).
     """
+    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh))
+    graphdef, _ = nnx.split(abstract)
+    return nnx.merge(graphdef, init_state_fn(cfg, seed=seed, mesh=mesh)())
+
+
+def init_state_fn(cfg: ModelConfig, *, seed: int = 0, mesh=None):
+    """The jitted program that ``init_model`` runs: ``() -> nnx.State`` of a new model, sharded
+    by ``param_shardings`` when ``mesh`` is given."""
 
     @jax.jit
     def create():
@@ -569,9 +578,7 @@ def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalL
         shardings = sharding.param_shardings(state, mesh)
         return jax.lax.with_sharding_constraint(state, shardings)
 
-    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh))
-    graphdef, _ = nnx.split(abstract)
-    return nnx.merge(graphdef, create())
+    return create
 
 
 def param_count(model_or_params) -> int:
