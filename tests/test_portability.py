@@ -8,7 +8,8 @@ the trainer and the sampler really use:
 
 - every update and every ``prepare`` (old/reference log-probs, rollout-time values) of the
   ``algorithm`` records, jitted by ``step.CompiledAlgorithm`` itself (state shardings from
-  ``step.state_shardings`` of the abstract ``init`` state, rows over ('data', 'fsdp'));
+  ``step.state_shardings`` of the abstract ``init`` state, rows over ('data', 'fsdp')), and the
+  records' ``init`` (the step-0 state) and ``model.init_model``'s random initialisation;
 - the log-prob function (``updates.make_logprob_fn``);
 - the sampler's generate program (``jax_sampler._generate_jit``) with the exact arguments that
   ``JaxSampler`` passes it (recorded from a tiny sampler on the same mesh, then re-targeted at
@@ -80,6 +81,9 @@ def arch():
     abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(QWEN25_1_5B, mesh=mesh))
     graphdef, params = nnx.split(abstract, nnx.Param)
     assert M.param_count(params) > 1.5e9  # the real architecture, never materialised
+    # The embedding and the 7 kernels of each layer are split over the mesh (rules table).
+    sharded = [not s.is_fully_replicated for s in jax.tree.leaves(M.param_shardings(params, mesh))]
+    assert sum(sharded) >= 8
     yield Arch(QWEN25_1_5B, mesh, graphdef, params)
     print("\nStableHLO text size (characters of exported.mlir_module()):")
     for name, sizes in SIZES.items():
