@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             "  export RUN_DIR OUT_DIR [--step N] [--overwrite]  checkpoint -> Hugging Face folder"
         )
         print("  bench NAME [--json PATH]                  " + "|".join(BENCHMARKS))
-        print("  serve-vllm --model DIR [--python PATH]    start a vLLM server for rollouts")
+        print(
+            "  serve-vllm --model DIR [--python PATH] [--gpus 0,1 --num-servers N]  vLLM server(s)"
+        )
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

@@ -1,0 +1,76 @@
+"""scripts/gpu_check.sh: imports where the optional packages are missing, its table, and the
+``--cpu-smoke`` run CI keeps alive (the GPU run itself needs a GPU machine)."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxrlvr.bench import gpu_check
+
+REPO = pathlib.Path(__file__).parent.parent.parent
+
+
+def test_imports_without_datasets_math_verify_or_vllm():
+    code = (
+        "import sys\n"
+        "for name in ('datasets', 'math_verify', 'vllm'):\n"
+        "    sys.modules[name] = None\n"
+        "import jaxrlvr.train, jaxrlvr.cli, jaxrlvr.bench.gpu_check, jaxrlvr.placement\n"
+        "from jaxrlvr.rewards import verifiers\n"
+        "fn = verifiers.make_reward_fn(verifiers.RewardConfig(name='synthetic'))\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_flops_count_the_lm_head_and_attention():
+    cfg = gpu_check.model_config(False)
+    assert cfg.num_params() == pytest.approx(1.544e9, rel=0.01)  # Qwen2.5-1.5B
+    fwd = gpu_check.flops_per_token(cfg, 1024, 1)
+    assert fwd == 2 * (cfg.num_non_embedding_params() + 151936 * 1536) + 4 * 28 * 12 * 128 * 1024
+    assert gpu_check.flops_per_token(cfg, 1024, 3) == 3 * fwd
+
+
+def test_table_computes_mfu_and_the_decode_bound():
+    results = {
+        "matmul": {"device_kind": "H200", "num_devices": 1, "jax": "0.11.2", "matmul_n": 8192,
+                   "matmul_tflops": 800.0, "hbm_gbs": 4000.0},
+        "update": {"forward_s": 0.1, "forward_flops": 40e12, "forward_tokens_per_s": 81920.0,
+                   "forward_peak_gib": 20.0, "forward_compile_s": 30.0,
+                   "update_s": 0.3, "update_flops": 120e12, "update_tokens_per_s": 27306.0,
+                   "update_peak_gib": 40.0, "update_compile_s": 60.0},
+        "sampler": {"prompts": 64, "new_tokens": 256, "tokens_per_s": 8000.0,
+                    "decode_step_bytes": 4e9, "peak_gib": 10.0},
+        "demo": {"error": "exit 1: boom"},
+    }  # fmt: skip
+    text = gpu_check.table(results)
+    assert text.splitlines()[0] == "jaxrlvr GPU check: H200 x1, jax 0.11.2"
+    assert "MFU 50.0%" in text and "peak mem 40.0 GiB" in text  # 120e12 / 0.3 s / 800e12
+    assert "HBM bound 64,000 tok/s (8.0x below it)" in text  # 64 rows / (4e9 B / 4e12 B/s)
+    assert re.search(r"^demo config +FAILED: exit 1: boom$", text, re.M)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_writes_the_table_and_json(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, OUT=str(tmp_path))
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+    env.pop("PYTHONPATH", None)  # the script sets it: a plain checkout must work
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--cpu-smoke"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    text = (tmp_path / "gpu_check.txt").read_text()
+    assert text.strip() == proc.stdout.strip()
+    for row in ("bf16 matmul", "forward (old logp)", "GRPO update", "JaxSampler", "demo (2 RL"):
+        assert row in text, text
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert record["smoke"] and record["update"]["update_tokens_per_s"] > 0
+    assert record["sampler"]["tokens_per_s"] > 0 and record["demo"]["rl_steps"] == 2
