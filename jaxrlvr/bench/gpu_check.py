@@ -43,7 +43,7 @@ import traceback
 
 PARTS = ("matmul", "update", "sampler", "demo")
 # Per-part limits (seconds) for the full check: all four fit the 8-minute budget with margin.
-TIMEOUT_S = {"matmul": 60, "update": 170, "sampler": 120, "demo": 130}
+TIMEOUT_S = {"matmul": 40, "update": 160, "sampler": 110, "demo": 170}
 
 # Qwen2.5-1.5B (and -Math-1.5B): the architecture of the course's leaderboard model.
 QWEN25_15B = dict(
