@@ -177,22 +177,31 @@ ALGORITHMS = {
 PREPARE_AS = {"grpo_dapo": "grpo", "grpo_dr_grpo": "grpo", "grpo_gspo": "grpo"}
 
 
-def _rollouts(spec: batch_lib.BatchSpec) -> batch_lib.Batch:
-    """The host batch that the driver hands to ``prepare`` (``rollout.pack`` dtypes), abstract,
-    with the fields of ``spec`` (``algorithm.select_fields``, as the driver does)."""
+def _rollouts(spec: batch_lib.BatchSpec, packed: bool = True) -> batch_lib.Batch:
+    """The host batch that the driver hands to ``prepare`` (``rollout.to_batch`` dtypes),
+    abstract, with the fields of ``spec`` (``algorithm.select_fields``, as the driver does).
+
+    ``packed`` (the driver's default, ``rl.packing``): several rollouts per row, with
+    ``segment_ids``/``positions`` and the per-sequence fields spread over their tokens [B, T];
+    otherwise one rollout per padded row, per-sequence fields [B]."""
     bt = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype)  # noqa: E731
-    b = jax.ShapeDtypeStruct((B,), jnp.float32)
+    seq = bt(jnp.float32) if packed else jax.ShapeDtypeStruct((B,), jnp.float32)
     full = batch_lib.Batch(
         input_ids=bt(jnp.int32),
         attention_mask=bt(jnp.int32),
         labels=bt(jnp.int32),
         loss_mask=bt(jnp.float32),
-        advantages=b,
+        advantages=seq,
         sampler_logp=bt(jnp.float32),
-        rewards=b,
-        correct=b,
+        rewards=seq,
+        correct=seq,
+        segment_ids=bt(jnp.int32) if packed else None,
+        positions=bt(jnp.int32) if packed else None,
     )
     return algorithm.select_fields(full, spec)
+
+
+PADDED = "_padded"  # case-name suffix: one rollout per padded row instead of packed rows
 
 
 _COMPILED: dict[str, tuple] = {}  # name -> what _compiled returns (shared by the platforms)
@@ -201,18 +210,18 @@ _COMPILED: dict[str, tuple] = {}  # name -> what _compiled returns (shared by th
 def _compiled(name: str, arch: Arch):
     if name in _COMPILED:
         return _COMPILED[name]
-    algo = ALGORITHMS[name](arch)
+    algo = ALGORITHMS[name.removesuffix(PADDED)](arch)
     state = jax.eval_shape(lambda p: algo.init(p, 0), arch.params)
     shardings = step.state_shardings(state, arch.mesh)
     compiled = step.CompiledAlgorithm(algo, arch.mesh, shardings)
-    rollouts = _rollouts(algo.rollout_spec)
+    rollouts = _rollouts(algo.rollout_spec, packed=not name.endswith(PADDED))
     batch, _ = jax.eval_shape(algo.prepare, state, rollouts)  # what update receives
     _COMPILED[name] = compiled, state, shardings, rollouts, batch, algo
     return _COMPILED[name]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("name", [*ALGORITHMS, "sft_padded", "grpo_padded", "ppo_shared_padded"])
 def test_update_and_prepare_lower(arch, name, platform):
     compiled, state, shardings, rollouts, batch, algo = _compiled(name, arch)
     rows = step.batch_shardings(batch, arch.mesh)
@@ -280,9 +289,8 @@ def test_every_algorithm_factory_is_covered():
         and f.__annotations__.get("return") in (algorithm.Algorithm, "Algorithm")
     }
     assert public == factories, f"new algorithm factories to cover here: {public - factories}"
-    assert {n.split("_")[0] if n.startswith(("grpo", "ppo")) else n for n in ALGORITHMS} == (
-        factories
-    )
+    covered = {n.split("_")[0] if n.startswith(("grpo", "ppo")) else n for n in ALGORITHMS}
+    assert covered == factories
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,17 +298,21 @@ def test_every_algorithm_factory_is_covered():
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_logprob_fn_lowers(arch, platform):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_logprob_fn_lowers(arch, packed, platform):
     fn = updates.make_logprob_fn(arch.graphdef, num_microbatches=MICROBATCHES, mesh=arch.mesh)
-    batch = _rollouts(batch_lib.BatchSpec())
+    batch = _rollouts(batch_lib.BatchSpec(), packed=packed)
     params_sh = M.param_shardings(arch.params, arch.mesh)
     rows = step.batch_shardings(batch, arch.mesh)
     jitted = jax.jit(fn, in_shardings=(params_sh, rows))
-    export("logprob_fn", platform, jitted, arch.params, batch, expected_shardings=(params_sh, rows))
+    name = "logprob_fn" + ("" if packed else PADDED)
+    export(name, platform, jitted, arch.params, batch, expected_shardings=(params_sh, rows))
 
 
-def _forward(graphdef, params, input_ids, attention_mask, position_ids):
-    return nnx.merge(graphdef, params)(input_ids, attention_mask, position_ids)
+def _forward(graphdef, params, input_ids, attention_mask, position_ids, segment_ids=None):
+    return nnx.merge(graphdef, params)(
+        input_ids, attention_mask, position_ids, segment_ids=segment_ids
+    )
 
 
 def _prefill(graphdef, cfg, params, input_ids, attention_mask, position_ids, *, cache_len):
@@ -350,6 +362,13 @@ def test_model_forward_prefill_and_decode_lower(arch, platform):
     export(
         "model/forward", platform, forward, arch.params, ids, ids, ids,
         expected_shardings=(params_sh, rows, rows, rows),
+    )  # fmt: skip
+    packed = jax.jit(
+        functools.partial(_forward, arch.graphdef), in_shardings=(params_sh, rows, rows, rows, rows)
+    )
+    export(
+        "model/forward_packed", platform, packed, arch.params, ids, ids, ids, ids,
+        expected_shardings=(params_sh, rows, rows, rows, rows),
     )  # fmt: skip
 
     slots = 2 * T
