@@ -9,16 +9,21 @@ the trainer and the sampler really use:
 - every update and every ``prepare`` (old/reference log-probs, rollout-time values) of the
   ``algorithm`` records, jitted by ``step.CompiledAlgorithm`` itself (state shardings from
   ``step.state_shardings`` of the abstract ``init`` state, rows over ('data', 'fsdp')), and the
-  records' ``init`` (the step-0 state) and ``model.init_model``'s random initialisation;
-- the log-prob function (``updates.make_logprob_fn``);
+  records' ``init`` (the step-0 state) and ``model.init_model``'s random initialisation; on
+  packed rows (the driver's default: segment ids, per-segment positions) and, for SFT, GRPO and
+  PPO, on padded rows;
+- the log-prob function (``updates.make_logprob_fn``), packed and padded;
 - the sampler's generate program (``jax_sampler._generate_jit``) with the exact arguments that
   ``JaxSampler`` passes it (recorded from a tiny sampler on the same mesh, then re-targeted at
   the 1.5B parameters): greedy, top-k + top-p, top-p alone (the sorted path), and under a
   thinking budget. The thinking budget is not part of any compiled program: it runs on the host
   (``sampling.base.generate_with_thinking_budget``) as two calls of the plain program, and those
   two programs are what the thinking-budget case exports;
-- the model's forward ``model(input_ids, attention_mask, position_ids)``, prefill into the KV
-  cache and one-token decode from it.
+- the model's forward ``model(input_ids, attention_mask, position_ids)`` (also with
+  ``segment_ids``), prefill into the KV cache and one-token decode from it.
+
+No case is skipped: every program lowers for both platforms (checked with JAX 0.10.2). Where a
+JAX version cannot export one for a platform, skip only that case and name the version.
 
 Lowering is the whole of what is checked: the platform's lowering rules, the custom calls that
 ``jax.export`` accepts as stable, and the sharding annotations. A host callback, a CPU-only
@@ -172,8 +177,9 @@ ALGORITHMS = {
     "ppo_shared": _ppo("shared"),
     "ppo_separate": _ppo("separate", kl_coef=0.05, kl_in="reward"),
 }
-# GRPO's prepare reads only the reference (kl_coef > 0) and the batch specs from the loss
-# config: variants that change neither run GRPO's prepare program, checked, not exported again.
+# GRPO's prepare depends on the loss config only through the reference (kl_coef > 0) and the
+# batch specs (and on epochs_per_batch): variants that change none of them run GRPO's prepare
+# program (checked below), which is not exported again for them.
 PREPARE_AS = {"grpo_dapo": "grpo", "grpo_dr_grpo": "grpo", "grpo_gspo": "grpo"}
 
 
