@@ -42,6 +42,14 @@ def row_bucket(rows: int, multiple: int = 1) -> int:
         power *= 2
 
 
+def budget_rows(rows: int, max_rows_per_microbatch: int) -> tuple[int, int]:
+    """(batch rows, microbatches) for ``rows`` packed rows when a microbatch holds at most
+    ``max_rows_per_microbatch`` rows (a token budget): the fewest microbatches, then rows split
+    as evenly as they go (at most microbatches - 1 padding rows)."""
+    n = -(-rows // max_rows_per_microbatch)
+    return n * -(-rows // n), n
+
+
 @dataclasses.dataclass
 class PackedBatch:
     """Numpy arrays of one batch, B rows x T positions (see ``algos.batch.Batch``).

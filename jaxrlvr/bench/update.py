@@ -19,8 +19,20 @@ tokens + attention (12 x layers x heads x head_dim x T per token, PaLM's formula
 matmul is not counted, as in that formula), and peak = the best fp32 dense-matmul throughput
 measured in the same run (the larger of JAX's and torch's).
 
-Usage: ``jaxrlvr bench update [--tiny] [--json PATH] [--repeats N] [--systems jaxrlvr,torch]``
-(or ``python benchmarks/bench_update.py``); ``--repeats``: timed steps per system.
+``--lengths r1zero``: the same shape and number of rollouts, but response lengths drawn like
+R1-Zero's, heavy-tailed: log-normal with median 1/4 of the response budget and sigma 1.0, rounded
+and clipped to [8, budget] (NumPy seed 0; for the reference shape: median 48 of 192 tokens, about
+8% of the draws at the budget). jaxrlvr packs the rollouts (``rollout.pack(segments=True)``) into
+rows of the reference's row length (256), and fills microbatches by the reference's token budget
+(at most its 4 rows x 256 positions each: ``rollout.budget_rows``), so the update computes the
+real tokens plus the packing remainder; the PyTorch reference pads as TRL does: every row
+right-padded to the longest sequence of the batch, the same 4 microbatches of 4 rows. Throughput
+is counted in real (non-padding) tokens per second for both; ``computed`` is the positions each
+system ran, padding included. MFU counts real tokens.
+
+Usage: ``jaxrlvr bench update [--tiny] [--lengths fixed|r1zero] [--json PATH] [--repeats N]
+[--systems jaxrlvr,torch]`` (or ``python benchmarks/bench_update.py``); ``--repeats``: timed
+steps per system.
 Not a test: timings are for the closing note and for spotting regressions.
 """
 
@@ -97,10 +109,70 @@ def make_batch(shape: Shape, vocab_size: int, seed: int = 0) -> dict:
     )
 
 
-def model_flops_per_step(shape: Shape) -> float:
+def r1zero_lengths(shape: Shape, seed: int = 0):
+    """Response lengths like R1-Zero's: log-normal, median budget / 4, sigma 1, in [8, budget]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    draws = rng.lognormal(np.log(shape.response / 4), 1.0, shape.batch)
+    return np.clip(np.rint(draws), 8, shape.response).astype(int)
+
+
+def make_r1zero_batch(shape: Shape, vocab_size: int, *, packed: bool, seed: int = 0) -> dict:
+    """The ``--lengths r1zero`` rollouts (prompt of ``shape.prompt`` tokens, response of an
+    ``r1zero_lengths`` length), padded as TRL pads (right, to the batch's longest sequence) or
+    packed as jaxrlvr's driver packs (rows of ``shape.seq`` positions, microbatches of at most
+    ``shape.batch / shape.microbatches`` rows); adds ``num_microbatches``."""
+    import numpy as np
+
+    from jaxrlvr import rollout
+
+    rng = np.random.default_rng(seed + 1)
+    lengths = r1zero_lengths(shape, seed)
+    prompts = [list(rng.integers(0, vocab_size, shape.prompt)) for _ in lengths]
+    # One extra token: a sequence of prompt + response tokens occupies prompt + length positions.
+    comps = [list(rng.integers(0, vocab_size, n + 1)) for n in lengths]
+    adv = rng.normal(size=shape.batch).astype(np.float32)
+    if packed:
+        probe = rollout.pack(prompts, comps, pad_id=0, segments=True, length=shape.seq)
+        rows = int(probe.attention_mask.any(axis=1).sum())
+        batch_rows, n = rollout.budget_rows(rows, shape.batch // shape.microbatches)
+        p = rollout.pack(
+            prompts, comps, pad_id=0, segments=True, length=shape.seq, batch_size=batch_rows
+        )
+    else:
+        n = shape.microbatches
+        p = rollout.pack(prompts, comps, pad_id=0, length=max(map(len, prompts)) + max(lengths))
+    out = rollout.to_batch(p, advantages=adv)
+    out = {k: np.asarray(v) for k, v in vars(out).items() if v is not None}
+    out["num_microbatches"] = n
+    return out
+
+
+def model_flops_per_step(shape: Shape, tokens: int | None = None, seq: int | None = None) -> float:
+    """Model FLOPs of ``tokens`` (default: the shape's) in rows of ``seq`` positions."""
     cfg = shape.config
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * shape.seq
-    return shape.tokens * (6 * cfg.num_non_embedding_params() + attn)
+    seq = shape.seq if seq is None else seq
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq
+    return (shape.tokens if tokens is None else tokens) * (
+        6 * cfg.num_non_embedding_params() + attn
+    )
+
+
+def _batch(shape: Shape, vocab_size: int, lengths: str, *, packed: bool) -> dict:
+    if lengths == "r1zero":
+        return make_r1zero_batch(shape, vocab_size, packed=packed)
+    return {**make_batch(shape, vocab_size), "num_microbatches": shape.microbatches}
+
+
+def _token_counts(raw: dict) -> dict:
+    return {
+        "real_tokens": int(raw["attention_mask"].sum()),
+        "computed_tokens": int(raw["input_ids"].size),
+        "rows": int(raw["input_ids"].shape[0]),
+        "row_length": int(raw["input_ids"].shape[1]),
+        "num_microbatches": int(raw["num_microbatches"]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +198,9 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool, scan_layers: bool) -> dict:
+def _worker_jax(
+    shape: Shape, weights: str, steps: int, remat: bool, scan_layers: bool, lengths: str
+) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -153,12 +227,14 @@ def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool, scan_layers
     loss = loss_config.PolicyLossConfig(
         aggregation="seq_mean_token_mean", clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS
     )
-    gcfg = updates.GRPOUpdateConfig(loss=loss, num_microbatches=shape.microbatches)
+    raw = _batch(shape, lm.config.vocab_size, lengths, packed=True)
+    counts = _token_counts(raw)
+    n = raw.pop("num_microbatches")
+    gcfg = updates.GRPOUpdateConfig(loss=loss, num_microbatches=n)
     upd = updates.make_grpo_update(graphdef, tx, gcfg, lr_schedule=optim.make_schedule(ocfg))
     state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
-    raw = make_batch(shape, lm.config.vocab_size)
     batch = batch_lib.Batch(**{k: jnp.asarray(v) for k, v in raw.items()})
-    logprob = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=shape.microbatches))
+    logprob = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=n))
     batch = batch.replace(old_logp=logprob(state.params, batch)[0])
     batch = step.shard_batch(jax.device_get(batch), mesh)
     ssh = step.state_shardings(state, mesh)
@@ -182,10 +258,11 @@ def _worker_jax(shape: Shape, weights: str, steps: int, remat: bool, scan_layers
         "peak_rss_mib": common.peak_rss_mib(),
         "final_loss": holder["loss"],
         "version": f"jax {jax.__version__}",
+        **counts,
     }
 
 
-def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
+def _worker_torch(shape: Shape, weights: str, steps: int, threads: int, lengths: str) -> dict:
     import torch
     import transformers
 
@@ -196,7 +273,9 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
     )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    raw = make_batch(shape, model.config.vocab_size)
+    raw = _batch(shape, model.config.vocab_size, lengths, packed=False)
+    counts = _token_counts(raw)
+    raw.pop("num_microbatches")
     b = {k: torch.from_numpy(v) for k, v in raw.items()}
     ids, attn, labels = b["input_ids"].long(), b["attention_mask"].long(), b["labels"].long()
     mask, adv = b["loss_mask"].float(), b["advantages"].float()
@@ -238,12 +317,14 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int) -> dict:
         "matmul_gflops": 2 * 2048**3 / best / 1e9,
         "peak_rss_mib": common.peak_rss_mib(),
         "version": f"torch {torch.__version__}, transformers {transformers.__version__}",
+        **counts,
     }
 
 
 def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv = ["--_worker", kind, "--_weights", weights]
     argv += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
+    argv += ["--lengths", args.lengths]
     flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
     argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
@@ -254,6 +335,13 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="small shape for a quick run")
     common.add_repeats(p, 5, "timed steps per system, after 1 warm-up step")
     p.add_argument("--systems", default="jaxrlvr,torch", help="comma list of jaxrlvr, torch")
+    p.add_argument(
+        "--lengths",
+        choices=("fixed", "r1zero"),
+        default="fixed",
+        help="response lengths: fixed (>= 3/4 of the budget, padded rows) or r1zero (heavy-tailed; "
+        "jaxrlvr packs, torch pads as TRL)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     p.add_argument("--remat", action="store_true", help="jaxrlvr: rematerialise each layer")
     p.add_argument(
@@ -272,9 +360,11 @@ def main(argv=None) -> int:
         if args._worker == "init":
             rec = _worker_init(shape, args._weights)
         elif args._worker == "jaxrlvr":
-            rec = _worker_jax(shape, args._weights, args.repeats, args.remat, args.scan_layers)
+            rec = _worker_jax(
+                shape, args._weights, args.repeats, args.remat, args.scan_layers, args.lengths
+            )
         else:
-            rec = _worker_torch(shape, args._weights, args.repeats, args.threads)
+            rec = _worker_torch(shape, args._weights, args.repeats, args.threads, args.lengths)
         common.save_json(args._out, rec)
         return 0
 
@@ -286,21 +376,27 @@ def main(argv=None) -> int:
         for s in systems:
             results[s] = _run_worker(s, args, weights)
     peak = max(r["matmul_gflops"] for r in results.values()) * 1e9
-    flops = model_flops_per_step(shape)
     records = []
     for s, r in results.items():
         step_s = statistics.median(r["step_times_s"])
+        tokens = r["real_tokens"] if args.lengths == "r1zero" else r["computed_tokens"]
+        flops = model_flops_per_step(shape, tokens, r["row_length"])
         records.append(
             {
                 "benchmark": "update",
                 "system": s,
                 "shape": name,
                 "num_params": info["num_params"],
-                "tokens_per_step": shape.tokens,
-                "microbatches": shape.microbatches,
+                "lengths": args.lengths,
+                # fixed: every position counts (as before r1zero existed); r1zero: real tokens.
+                "tokens_per_step": tokens,
+                "computed_tokens_per_step": r["computed_tokens"],
+                "rows": r["rows"],
+                "row_length": r["row_length"],
+                "microbatches": r["num_microbatches"],
                 "remat": bool(args.remat) if s == "jaxrlvr" else False,
                 "scan_layers": bool(args.scan_layers) if s == "jaxrlvr" else False,
-                "tokens_per_s": shape.tokens / step_s,
+                "tokens_per_s": tokens / step_s,
                 "step_s": step_s,
                 "step_times_s": r["step_times_s"],
                 "mfu": flops / step_s / peak,
@@ -312,17 +408,22 @@ def main(argv=None) -> int:
                 "version": r["version"],
             }
         )
-    print(f"shape={name} params={info['num_params'] / 1e6:.1f}M tokens/step={shape.tokens} "
+    print(f"shape={name} lengths={args.lengths} params={info['num_params'] / 1e6:.1f}M "
           f"peak fp32 matmul={peak / 1e9:.0f} GFLOP/s")  # fmt: skip
-    print(f"{'system':>8} {'tokens/s':>9} {'step_s':>7} {'mfu':>5} {'rss_MiB':>8} {'compile_s':>9}")
+    print(
+        f"{'system':>8} {'real_tok/s':>10} {'real':>6} {'computed':>8} {'rows x T':>9} {'mb':>3} "
+        f"{'step_s':>7} {'mfu':>5} {'rss_MiB':>8} {'compile_s':>9}"
+    )
     for r in records:
         print(
-            f"{r['system']:>8} {r['tokens_per_s']:9.1f} {r['step_s']:7.3f} {r['mfu']:5.2f} "
+            f"{r['system']:>8} {r['tokens_per_s']:10.1f} {r['tokens_per_step']:6d} "
+            f"{r['computed_tokens_per_step']:8d} {r['rows']:>4}x{r['row_length']:<4d} "
+            f"{r['microbatches']:3d} {r['step_s']:7.3f} {r['mfu']:5.2f} "
             f"{r['peak_rss_mib']:8.0f} {r['compile_s']:9.2f}"
         )
     if "jaxrlvr" in results and "torch" in results:
         j, t = (next(r for r in records if r["system"] == s) for s in ("jaxrlvr", "torch"))
-        print(f"jaxrlvr / torch tokens/s: {j['tokens_per_s'] / t['tokens_per_s']:.2f}x")
+        print(f"jaxrlvr / torch real tokens/s: {j['tokens_per_s'] / t['tokens_per_s']:.2f}x")
     common.save_json(args.json, records)
     return 0
 
