@@ -150,13 +150,14 @@ def plan(
     environ = os.environ if environ is None else environ
     s = sampler
     dtype_for = lambda device: s.vllm_dtype if s.vllm_dtype != "auto" else _default_dtype(device)
-    if s.kind != "vllm" or s.vllm_urls:
-        # No server of ours: nothing to place (a server given by URL runs where its owner put it).
-        return Placement(dtype=dtype_for("cuda" if s.vllm_device == "cuda" else "cpu"))
     host = tuple(host_gpus(environ) if gpus is None else gpus)
     device = s.vllm_device
     if device == "auto":
         device = "cuda" if host and not jax_wants_cpu(environ) else "cpu"
+    if s.kind != "vllm" or s.vllm_urls:
+        # No server of ours: nothing to place (a server given by URL runs where its owner put
+        # it; its export dtype assumes it runs on this host's kind of device).
+        return Placement(dtype=dtype_for(device))
     if device == "cpu":
         return Placement(device="cpu", dtype=dtype_for("cpu"))
     if not host:
