@@ -39,6 +39,7 @@ Not here: rollouts, rewards and advantages for GRPO (the driver computes them wi
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -185,10 +186,27 @@ def token_logprobs_from_hidden(
 ) -> tuple[jax.Array, jax.Array]:
     """log pi(labels) [B, T] and the token entropy [B, T], float32, from final hidden states
     (float32 logits from ``lm.lm_logits``, then ``logprobs_and_entropy``), in chunks of
-    ``chunk_size`` positions under remat (``model.logprobs.logprobs_from_hidden``) unless None."""
+    ``chunk_size`` positions under remat (``model.logprobs.logprobs_from_hidden``) unless None;
+    chunked on a mesh with batch shards, the head splits the vocabulary over them
+    (``model.logprobs.vocab_parallel_head``)."""
+    head = lm.lm_logits
+    if chunk_size is not None:
+        head = (
+            logprobs_lib.vocab_parallel_head(
+                functools.partial(_lm_head_weight_vd, lm), lm.mesh, lm.config.compute_dtype
+            )
+            or head
+        )
     return logprobs_lib.logprobs_from_hidden(
-        hidden_btd, lm.lm_logits, labels_bt, chunk_size=chunk_size, entropy_grad=entropy_grad
+        hidden_btd, head, labels_bt, chunk_size=chunk_size, entropy_grad=entropy_grad
     )
+
+
+def _lm_head_weight_vd(lm: Any) -> jax.Array:
+    """The output projection as [V, D] (the tied embedding, or the lm_head kernel transposed)."""
+    if lm.lm_head is None:
+        return lm.model.embed_tokens.embedding.get_value()
+    return lm.lm_head.kernel.get_value().T
 
 
 def token_logprobs(

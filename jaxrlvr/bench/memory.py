@@ -113,6 +113,7 @@ def _batch_shape(case: Case, spec):
             raise SystemExit("--packing on: this checkout's Batch has no segment_ids/positions")
         fields["segment_ids"] = jax.ShapeDtypeStruct((b, t), i32)
         fields["positions"] = jax.ShapeDtypeStruct((b, t), i32)
+        fields["advantages"] = jax.ShapeDtypeStruct((b, t), f32)  # per token when packed
     return batch_lib.Batch(**fields)
 
 

@@ -18,7 +18,11 @@ hidden states, each chunk under ``jax.checkpoint`` inside ``lax.map``: only one 
 recomputes them), instead of the whole [B, T, V]. The same arithmetic per position, so values and
 gradients equal the unchunked ones up to float summation order.
 
-Not here: chunking over the vocabulary (with V = 152k and chunks of a few hundred positions the
+``vocab_parallel_head`` is the head to chunk with on a mesh whose batch is sharded: it splits
+the vocabulary of a chunk's logits over the batch shards instead of gathering the whole FSDP
+weight on every device.
+
+Not here: chunking over the vocabulary within a device (with chunks of a hundred positions the
 per-chunk logits are already small) and skipping prompt positions (their count varies per row,
 so static shapes keep them; the loss masks them).
 """
@@ -28,6 +32,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrlvr.model import sharding
 
 _f32 = jnp.float32
 
@@ -118,3 +125,48 @@ def logprobs_from_hidden(
         return x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
 
     return merge(logp), merge(ent)
+
+
+def vocab_parallel_head(
+    weight_vd_fn: Callable[[], jax.Array], mesh: Mesh | None, dtype
+) -> Callable[[jax.Array], jax.Array] | None:
+    """An lm_head for ``logprobs_from_hidden`` that splits the vocabulary, not the rows, over
+    the batch shards ('data', 'fsdp'); None where it does not apply (no mesh, one batch shard,
+    or V not divisible by the shards).
+
+    With rows over the batch shards and an FSDP-sharded [V, D] weight, the plain head gathers
+    the whole weight on every device and builds its gradient as a whole float32 [V, D] buffer
+    per device before the reduce-scatter (0.9 GiB each at V = 152k, D = 1536). Here a chunk's
+    (small) hidden rows are gathered instead, the ``dtype`` weight is resharded to
+    [V / shards, D], and every device computes its vocabulary slice of the chunk's logits
+    [B, C, V / shards]: the log-softmax reductions over V become all-reduces of [B, C], and the
+    weight's gradient stays a slice. The same arithmetic per logit as ``lm_logits`` (a ``dtype``
+    product accumulated in float32).
+
+    Args:
+      weight_vd_fn: () -> the float32 master weight as [V, D], read inside the chunk loop (so its
+        gradient accumulates in float32).
+      mesh: the device mesh, or None.
+      dtype: the compute dtype of the product.
+    """
+    if mesh is None:
+        return None
+    axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    shards = 1
+    for a in axes:
+        shards *= mesh.shape[a]
+    if shards == 1 or weight_vd_fn().shape[0] % shards:  # (an unused read: traced away)
+        return None
+    vocab = axes if len(axes) > 1 else axes[0]
+
+    def head(h_bcd: jax.Array) -> jax.Array:
+        w_vd = weight_vd_fn().astype(dtype)
+        w_vd = jax.lax.with_sharding_constraint(w_vd, NamedSharding(mesh, PartitionSpec(vocab)))
+        h = jax.lax.with_sharding_constraint(
+            h_bcd.astype(dtype), NamedSharding(mesh, PartitionSpec())
+        )
+        logits = jnp.einsum("BCD,VD->BCV", h, w_vd, preferred_element_type=_f32)
+        spec = PartitionSpec(None, None, vocab)
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, spec))
+
+    return head

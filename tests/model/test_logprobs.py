@@ -107,3 +107,35 @@ def test_make_logprob_fn_chunked():
 def test_chunk_size_is_checked(bad):
     with pytest.raises(ValueError, match="logprob_chunk_size"):
         updates.GRPOUpdateConfig(logprob_chunk_size=bad)
+
+
+def test_vocab_parallel_head_on_a_mesh():
+    """The vocabulary-sharded head on 8 fake devices (rows and vocabulary over data x fsdp)
+    gives the unchunked, single-program values and gradients."""
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=4, tensor=1))
+    rng = np.random.default_rng(2)
+    b, t, d, v = 8, 11, 8, 24
+    rows = M.batch_sharding(mesh, 3)
+    hidden = jax.device_put(jnp.asarray(rng.normal(size=(b, t, d)).astype(np.float32)), rows)
+    weight = jnp.asarray(0.5 * rng.normal(size=(v, d)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, v, (b, t)).astype(np.int32))
+    wt = jnp.asarray(rng.uniform(size=(b, t)).astype(np.float32))
+
+    def f(h, w, parallel):
+        head = logprobs_lib.vocab_parallel_head(lambda: w, mesh, jnp.float32) if parallel else None
+        assert (head is not None) == parallel
+        logp, ent = logprobs_lib.logprobs_from_hidden(
+            h,
+            head or (lambda x: x @ w.T),
+            labels,
+            chunk_size=4 if parallel else None,
+            entropy_grad=True,
+        )
+        return jnp.sum(logp * wt) + jnp.sum(ent), (logp, ent)
+
+    ref = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, False), (0, 1), has_aux=True))
+    got = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, True), (0, 1), has_aux=True))
+    _assert_close(got(hidden, weight), ref(hidden, weight))
+    one_shard = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    assert logprobs_lib.vocab_parallel_head(lambda: weight, one_shard, jnp.float32) is None
+    assert logprobs_lib.vocab_parallel_head(lambda: weight[:23], mesh, jnp.float32) is None
