@@ -18,7 +18,8 @@ no per-algorithm branches:
 The three functions are pure and un-jitted (tests run them both ways); ``step.CompiledAlgorithm``
 jits them with explicit shardings for the driver. Factories: ``sft``, ``expert_iteration``,
 ``grpo`` (every ``PolicyLossConfig`` variant: Dr. GRPO, DAPO, GSPO, KL, TIS, ...) and ``ppo``
-(value head on the policy trunk, shared or detached, or a separate critic).
+(value head on the policy trunk, shared or detached, or a separate critic), and ``preference``
+(offline DPO, IPO, SimPO, ORPO on chosen/rejected pairs).
 
 Not here: sampling, grading and reward shaping (host-side, in the driver and ``rollout``), and
 compilation (``step``).
@@ -35,6 +36,7 @@ from flax import nnx
 
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import optim, updates, value
+from jaxrlvr.algos import preference as preference_lib
 from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
@@ -295,4 +297,53 @@ def ppo(
         prepare=prepare,
         update=update,
         rollout_spec=_policy_rollout_spec(cfg.loss, ("rewards",), cfg.num_microbatches),
+    )
+
+
+def preference(
+    graphdef: nnx.GraphDef,
+    optimizer: Optimizer,
+    cfg: preference_lib.PreferenceUpdateConfig | None = None,
+    *,
+    mesh: Any = None,
+    logprob_microbatches: int | None = None,
+) -> Algorithm:
+    """Offline preference optimisation: DPO, IPO, SimPO or ORPO (``cfg.loss.kind``, also the
+    record's name) on stacked pair batches (``preference`` module docstring: P chosen rows,
+    then the P rejected rows in the same order; unpacked).
+
+    ``init`` copies the policy as the frozen reference for DPO and IPO (SimPO and ORPO are
+    reference-free). ``prepare`` computes the reference's ``ref_logp`` once per batch, in
+    ``logprob_microbatches`` chunks (default: the update's microbatches), and passes the rows
+    through otherwise.
+    """
+    cfg = cfg or preference_lib.PreferenceUpdateConfig()
+    tx, schedule = _optimizer(optimizer)
+    update = preference_lib.make_preference_update(
+        graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh
+    )
+    needs_ref = cfg.loss.needs_reference
+    logprob_fn = updates.make_logprob_fn(
+        graphdef,
+        num_microbatches=logprob_microbatches or cfg.num_microbatches,
+        chunk_size=cfg.logprob_chunk_size,
+        mesh=mesh,
+    )
+
+    def init(params, rng=0):
+        return state_lib.TrainState.create(
+            graphdef, params, tx, _key(rng), ref_params=_reference(params, needs_ref)
+        )
+
+    def prepare(state, rollouts):
+        if needs_ref:
+            rollouts = rollouts.replace(ref_logp=logprob_fn(state.ref_params, rollouts)[0])
+        return select_fields(rollouts, update.batch_spec), {}
+
+    return Algorithm(
+        name=cfg.loss.kind,
+        init=init,
+        prepare=prepare,
+        update=update,
+        rollout_spec=batch_lib.BatchSpec(num_microbatches=cfg.num_microbatches),
     )
