@@ -868,6 +868,7 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
+    placement.check_jax_devices(placement.place_trainer(cfg.sampler))  # vLLM's GPUs stay free
     mesh = model_lib.make_mesh(cfg.mesh)
     tokenizer = build_tokenizer(cfg)
     if run_dir is None:
