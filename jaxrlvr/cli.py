@@ -1,4 +1,4 @@
-"""The ``jaxrlvr`` command line: train, sft, eval, plot, export, bench, serve-vllm.
+"""The ``jaxrlvr`` command line: train, sft, eval, pairs, plot, export, bench, serve-vllm.
 
 Each sub-command parses its own flags and hands over to the module that does the work. Errors a
 user can fix (a bad config key, a missing file or checkpoint, an unsafe bind address) print one
@@ -57,6 +57,38 @@ def _cmd_eval(argv):
     result = train.evaluate_only(cfg, run_dir=args.checkpoint)
     for key, value in sorted(result.items()):
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
+def _cmd_pairs(argv):
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import pairs
+
+    p = argparse.ArgumentParser(
+        prog="jaxrlvr pairs",
+        description="Sample k completions per training problem, grade them, and write "
+        "(correct, incorrect) preference pairs as jsonl (for rl.algo: dpo | ipo | simpo | orpo).",
+    )
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--checkpoint", help="run directory whose newest checkpoint samples")
+    p.add_argument("--out", required=True, help="the jsonl file to write")
+    p.add_argument("--k", type=int, default=8, help="completions per problem")
+    p.add_argument("--pairs-per-problem", type=int, default=1)
+    p.add_argument("--max-problems", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    cfg = config_lib.load_config(args.config, args.overrides)
+    pairs_cfg = pairs.PairsConfig(
+        k=args.k,
+        pairs_per_problem=args.pairs_per_problem,
+        max_problems=args.max_problems,
+        seed=args.seed,
+    )
+    result = pairs.build_pairs(cfg, args.out, pairs_cfg, run_dir=args.checkpoint)
+    for key, value in result.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"wrote {result['pairs']} pairs to {args.out}")
     return 0
 
 
@@ -133,6 +165,7 @@ COMMANDS = {
     "train": _cmd_train,
     "sft": lambda argv: _cmd_train(argv, sft_only=True),
     "eval": _cmd_eval,
+    "pairs": _cmd_pairs,
     "plot": _cmd_plot,
     "export": _cmd_export,
     "bench": _cmd_bench,
@@ -149,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             "  sft CONFIG [key=value ...] [--resume | --overwrite]    supervised fine-tuning only"
         )
         print("  eval CONFIG [--checkpoint RUN_DIR]        held-out accuracy")
+        print("  pairs CONFIG --out FILE [--checkpoint RUN_DIR] [--k K]  graded preference pairs")
         print("  plot RUN_DIR [RUN_DIR ...] [--out DIR]    PNG curves, runs overlaid")
         print(
             "  export RUN_DIR OUT_DIR [--step N] [--overwrite]  checkpoint -> Hugging Face folder"

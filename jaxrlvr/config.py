@@ -222,7 +222,9 @@ class RLSection:
     Off: one rollout per row, right-padded to the length bucket.
     """
 
-    algo: Literal["grpo", "ppo", "expert_iteration", "none"] = "grpo"
+    # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
+    # (``PrefSection``); it reads steps, microbatches, logprob_chunk_size here.
+    algo: Literal["grpo", "ppo", "expert_iteration", "dpo", "ipo", "simpo", "orpo", "none"] = "grpo"
     steps: int = 100
     prompts_per_step: int = 32
     group_size: int = 8
@@ -268,6 +270,36 @@ class RLSection:
             )
 
 
+PREFERENCE_ALGOS = ("dpo", "ipo", "simpo", "orpo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefSection:
+    """The offline preference phase (``rl.algo``: dpo, ipo, simpo or orpo; ``algos.preference``).
+
+    ``data``: a jsonl file of rows with ``prompt_field`` (the full prompt text, as the model sees
+    it), ``chosen_field`` and ``rejected_field`` (response texts; EOS is appended), read with
+    ``datasets`` (``jaxrlvr pairs`` writes such a file). ``batch_size``: pairs per step (2 x rows:
+    chosen then rejected, unpacked). ``beta``, ``label_smoothing`` (DPO), ``gamma`` (SimPO): as
+    ``preference.PreferenceLossConfig``. The phase runs ``rl.steps`` steps with ``rl.microbatches``
+    (which must divide ``batch_size``), ``rl.logprob_chunk_size`` and ``optim``; held-out
+    evaluation every ``eval.every`` steps, as the RL loop.
+    """
+
+    data: str | None = None
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    batch_size: int = 16
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 1.0
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"pref.batch_size={self.batch_size!r} must be positive")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
     """Held-out evaluation at ``sampler.eval_temperature``; accuracy is the mean over
@@ -294,6 +326,7 @@ class TrainConfig:
     sampler: SamplerSection = dataclasses.field(default_factory=SamplerSection)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     rl: RLSection = dataclasses.field(default_factory=RLSection)
+    pref: PrefSection = dataclasses.field(default_factory=PrefSection)
     optim: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig())
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)

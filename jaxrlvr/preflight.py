@@ -323,6 +323,10 @@ def check(
         check_data_file(d.eval, "data.eval")
     if mode == "train" and cfg.sft.data != "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
         check_data_file(cfg.sft.data, "sft.data")
+    if mode == "train" and cfg.rl.algo in config_lib.PREFERENCE_ALGOS and cfg.rl.steps > 0:
+        if cfg.pref.data is None:
+            raise PreflightError(f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)")
+        check_data_file(cfg.pref.data, "pref.data")
 
     if mode == "train" and overwrite and existing_run(cfg.run.out_dir):
         moved = move_run_aside(cfg.run.out_dir)

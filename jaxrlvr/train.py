@@ -45,7 +45,7 @@ from jaxrlvr import configlib, interrupt, placement, preflight, rollout
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import loss_config, updates
+from jaxrlvr.algos import loss_config, preference, updates
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, synthetic, templates
 from jaxrlvr.data import tokenizer as tokenizer_lib
@@ -267,6 +267,17 @@ def make_algorithm(
             **dataclasses.asdict(rl.ppo),
         )
         return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
+    if rl.algo in config_lib.PREFERENCE_ALGOS:
+        loss = preference.PreferenceLossConfig(
+            kind=rl.algo,
+            beta=cfg.pref.beta,
+            label_smoothing=cfg.pref.label_smoothing,
+            gamma=cfg.pref.gamma,
+        )
+        pref_cfg = preference.PreferenceUpdateConfig(
+            loss=loss, num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+        )
+        return algorithm_lib.preference(graphdef, cfg.optim, pref_cfg, mesh=mesh)
     if rl.algo == "expert_iteration":
         ei_cfg = updates.SFTUpdateConfig(
             num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
@@ -321,7 +332,10 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
     rl, sft = cfg.rl, cfg.sft
     phases = []
-    if rl.algo != "none" and rl.steps > 0:
+    if rl.algo in config_lib.PREFERENCE_ALGOS and rl.steps > 0:
+        # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
+        phases.append((cfg.pref.batch_size, "pref.batch_size", rl.microbatches, "rl", False))
+    elif rl.algo != "none" and rl.steps > 0:
         rows_key = "rl.prompts_per_step x rl.group_size"
         phases.append((rl.rollouts_per_step, rows_key, rl.microbatches, "rl", rl.packing))
     if sft.steps > 0 or rl.algo == "none":
@@ -429,6 +443,7 @@ class Trainer:
         if self.loop.data is not None:
             self.iterator.load_state_dict(self.loop.data)
         self._sampler = None
+        self._pref_iter = None  # the preference phase's pair order (``preference_step``)
         self._last_accuracy = None
         self.metrics = None
         # Multi-host: every process runs the same loop; only process 0 writes the run's files.
@@ -697,6 +712,56 @@ class Trainer:
         ) / max(seconds.get("update", 0.0), 1e-9)
         return out
 
+    # -- offline preference phase (rl.algo: dpo | ipo | simpo | orpo) ---------------------------
+    def _preference_pairs(self) -> list[tuple[str, str, str]]:
+        """(prompt, chosen, rejected) rows of ``pref.data``, read with ``datasets``."""
+        import datasets
+
+        pref = self.cfg.pref
+        rows = datasets.load_dataset("json", data_files=pref.data, split="train")
+        keys = (pref.prompt_field, pref.chosen_field, pref.rejected_field)
+        pairs = [tuple(row.get(k) for k in keys) for row in rows]
+        good = [p for p in pairs if all(isinstance(x, str) for x in p) and p[1] and p[2]]
+        if len(good) < len(pairs):
+            log(f"{pref.data}: skipped {len(pairs) - len(good)} rows without {'/'.join(keys)}")
+        if not good:
+            raise ValueError(f"pref.data={pref.data!r}: no usable {'/'.join(keys)} rows")
+        return good
+
+    def _preference_batch(self, pairs: list[tuple[str, str, str]]):
+        """Stacked pair rows (``algos.preference``): the P chosen, then the P rejected, each
+        prompt + response + EOS, right-padded (unpacked), cut to the model's context."""
+        limit = self.model_cfg.max_position_embeddings
+        eos = self.tokenizer.eos_token_id
+        prompts, responses = [], []
+        for side in (1, 2):
+            for pair in pairs:
+                p = encode(self.tokenizer, pair[0])[: limit - 1]
+                r = encode(self.tokenizer, pair[side]) + [eos]
+                prompts.append(p)
+                responses.append(r[: max(limit - len(p), 0)])
+        packed = rollout.pack(prompts, responses, pad_id=self.pad_id, max_length=limit)
+        return rollout.to_batch(packed)
+
+    def preference_step(self) -> dict[str, float]:
+        """One offline preference step: next pairs -> prepare (reference log-probs) -> update ->
+        sync (the sampler serves held-out evaluation)."""
+        if self._pref_iter is None:
+            # PromptIterator indexes any items; fast-forward the order on resume.
+            self._pref_iter = iterators.PromptIterator(
+                self._preference_pairs(), self.cfg.pref.batch_size, seed=self.cfg.run.seed + 2
+            )
+            for _ in range(self.loop.rl_step):
+                self._pref_iter.next_batch()
+        t0 = time.perf_counter()
+        batch, prepare_m = self.prepare(self._preference_batch(self._pref_iter.next_batch()))
+        update_m = self.update(batch)
+        out = {k: float(v) for k, v in jax.device_get({**prepare_m, **update_m}).items()}
+        out["time/step_s"] = time.perf_counter() - t0
+        self.sync()
+        self.loop.rl_step += 1
+        return out
+
     def _evaluate(self) -> dict[str, float]:
         ev = evaluate(
             self.cfg, self.sampler, self.tokenizer, self.eval_problems, self.pool, self.reward_fn
@@ -706,7 +771,8 @@ class Trainer:
 
     def _postfix(self, m: dict) -> dict[str, str]:
         acc = "n/a" if self._last_accuracy is None else f"{self._last_accuracy:.2f}"
-        return dict(phase=self.cfg.rl.algo, reward=f"{m['reward_mean']:.2f}", eval_acc=acc)
+        reward = m.get("reward_mean", m.get("reward_accuracy", float("nan")))
+        return dict(phase=self.cfg.rl.algo, reward=f"{reward:.2f}", eval_acc=acc)
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -733,8 +799,10 @@ class Trainer:
                 self._log(0, self.loop.eval_after_sft)
             if cfg.rl.algo != "none" and not stop.requested:
                 self.sampler.update_weights(self.state.params)
+                offline = cfg.rl.algo in config_lib.PREFERENCE_ALGOS
+                step = self.preference_step if offline else self.rl_step
                 while self.loop.rl_step < cfg.rl.steps:
-                    m = self.rl_step()
+                    m = step()
                     done = self.loop.rl_step == cfg.rl.steps
                     if self.loop.rl_step % cfg.eval.every == 0 or done:
                         ev = self._evaluate()

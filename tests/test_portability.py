@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
+from jaxrlvr.algos import algorithm, loss_config, optim, preference, step, updates
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.model import weights
 from jaxrlvr.sampling import base, jax_sampler
@@ -156,6 +156,13 @@ def _ppo(trunk, **loss):
     )
 
 
+def _preference(kind):
+    cfg = preference.PreferenceUpdateConfig(
+        loss=preference.PreferenceLossConfig(kind=kind), num_microbatches=MICROBATCHES
+    )
+    return lambda a: algorithm.preference(a.graphdef, _OPT, cfg, mesh=a.mesh)
+
+
 def _sft_like(factory):
     return lambda a: factory(
         a.graphdef, _OPT, updates.SFTUpdateConfig(num_microbatches=MICROBATCHES), mesh=a.mesh
@@ -176,6 +183,9 @@ ALGORITHMS = {
     "grpo_epochs2_chunked": _grpo(epochs_per_batch=2, logprob_chunk_size=T // 4),
     "ppo_shared": _ppo("shared"),
     "ppo_separate": _ppo("separate", kl_coef=0.05, kl_in="reward"),
+    # Preference pairs are unpacked rows only (``algos.preference``): padded cases.
+    "preference_dpo_padded": _preference("dpo"),
+    "preference_orpo_padded": _preference("orpo"),
 }
 # GRPO's prepare depends on the loss config only through the reference (kl_coef > 0) and the
 # batch specs (and on epochs_per_batch): variants that change none of them run GRPO's prepare
@@ -216,7 +226,7 @@ _COMPILED: dict[str, tuple] = {}  # name -> what _compiled returns (shared by th
 def _compiled(name: str, arch: Arch):
     if name in _COMPILED:
         return _COMPILED[name]
-    algo = ALGORITHMS[name.removesuffix(PADDED)](arch)
+    algo = ALGORITHMS[name if name in ALGORITHMS else name.removesuffix(PADDED)](arch)
     state = jax.eval_shape(lambda p: algo.init(p, 0), arch.params)
     shardings = step.state_shardings(state, arch.mesh)
     compiled = step.CompiledAlgorithm(algo, arch.mesh, shardings)
@@ -285,7 +295,7 @@ def test_algorithm_init_lowers(arch, name, platform):
 
 def test_every_algorithm_factory_is_covered():
     """A new algorithm record must be added to ALGORITHMS (and so to the portability check)."""
-    factories = {"sft", "expert_iteration", "grpo", "ppo"}
+    factories = {"sft", "expert_iteration", "grpo", "ppo", "preference"}
     public = {
         n
         for n, f in vars(algorithm).items()
@@ -295,7 +305,8 @@ def test_every_algorithm_factory_is_covered():
         and f.__annotations__.get("return") in (algorithm.Algorithm, "Algorithm")
     }
     assert public == factories, f"new algorithm factories to cover here: {public - factories}"
-    covered = {n.split("_")[0] if n.startswith(("grpo", "ppo")) else n for n in ALGORITHMS}
+    prefixed = ("grpo", "ppo", "preference")
+    covered = {n.split("_")[0] if n.startswith(prefixed) else n for n in ALGORITHMS}
     assert covered == factories
 
 
