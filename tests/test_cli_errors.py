@@ -116,32 +116,29 @@ def fake_run(monkeypatch):
 
     calls = []
 
-    def run(cfg, *, resume=False):  # today's signature: no overwrite keyword
-        calls.append({"resume": resume})
+    def run(cfg, *, resume=False, overwrite=False):
+        calls.append({"resume": resume, "overwrite": overwrite})
         return {}
 
     monkeypatch.setattr(train, "run", run)
     return calls
 
 
-def test_train_passes_overwrite_only_when_set(capsys, fake_run, monkeypatch):
-    from jaxrlvr import train
-
+def test_train_passes_resume_and_overwrite(capsys, fake_run):
     assert _main(capsys, "train", DEMO, "rl.steps=1")[0] == 0
-    assert fake_run == [{"resume": False}]
-
-    seen = []
-    monkeypatch.setattr(
-        train, "run", lambda cfg, *, resume=False, overwrite=False: seen.append(overwrite) or {}
-    )
     assert _main(capsys, "sft", DEMO, "--overwrite")[0] == 0
-    assert seen == [True]
+    assert _main(capsys, "train", DEMO, "--resume")[0] == 0
+    assert fake_run == [
+        {"resume": False, "overwrite": False},
+        {"resume": False, "overwrite": True},
+        {"resume": True, "overwrite": False},
+    ]
 
 
 def test_checkpoint_error_is_one_line_with_status_1(capsys, monkeypatch):
     from jaxrlvr import train
 
-    def run(cfg, *, resume=False):
+    def run(cfg, *, resume=False, overwrite=False):
         raise checkpoint.CheckpointError(
             "cannot save step 3 in /x/checkpoints: no space left on device (ENOSPC); the previous "
             "checkpoints (steps [1, 2]) are intact"
@@ -159,7 +156,7 @@ def test_checkpoint_error_is_one_line_with_status_1(capsys, monkeypatch):
 def test_preflight_error_from_train_is_one_line(capsys, monkeypatch):
     from jaxrlvr import preflight, train
 
-    def run(cfg, *, resume=False):
+    def run(cfg, *, resume=False, overwrite=False):
         preflight.check(cfg)
 
     monkeypatch.setattr(train, "run", run)
