@@ -183,12 +183,14 @@ def token_logprobs_from_hidden(
     *,
     entropy_grad: bool = False,
     chunk_size: int | None = None,
+    mask_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """log pi(labels) [B, T] and the token entropy [B, T], float32, from final hidden states
     (float32 logits from ``lm.lm_logits``, then ``logprobs_and_entropy``), in chunks of
     ``chunk_size`` positions under remat (``model.logprobs.logprobs_from_hidden``) unless None;
     chunked on a mesh with batch shards, the head splits the vocabulary over them
-    (``model.logprobs.vocab_parallel_head``)."""
+    (``model.logprobs.vocab_parallel_head``). With ``mask_bt`` both are 0 outside the mask and
+    chunks outside it in every row skip the head."""
     head = lm.lm_logits
     if chunk_size is not None:
         head = (
@@ -198,7 +200,12 @@ def token_logprobs_from_hidden(
             or head
         )
     return logprobs_lib.logprobs_from_hidden(
-        hidden_btd, head, labels_bt, chunk_size=chunk_size, entropy_grad=entropy_grad
+        hidden_btd,
+        head,
+        labels_bt,
+        chunk_size=chunk_size,
+        entropy_grad=entropy_grad,
+        mask_bt=mask_bt,
     )
 
 
@@ -212,12 +219,20 @@ def _lm_head_weight_vd(lm: Any) -> jax.Array:
 def token_logprobs(
     lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log-probs [B, T], entropy [B, T], final hidden states [B, T, D]) of ``batch.labels``."""
+    """(log-probs [B, T], entropy [B, T], final hidden states [B, T, D]) of ``batch.labels``.
+
+    Chunked (``chunk_size``), only loss-mask positions are computed (0 elsewhere): chunks of
+    prompt or padding in every row skip the lm_head. Unchunked, every position is."""
     hidden, _ = lm.backbone(
         batch.input_ids, batch.attention_mask, batch.positions, segment_ids=batch.segment_ids
     )
     logp, ent = token_logprobs_from_hidden(
-        lm, hidden, batch.labels, entropy_grad=entropy_grad, chunk_size=chunk_size
+        lm,
+        hidden,
+        batch.labels,
+        entropy_grad=entropy_grad,
+        chunk_size=chunk_size,
+        mask_bt=None if chunk_size is None else batch.loss_mask,
     )
     return logp, ent, hidden
 
@@ -397,8 +412,9 @@ def make_logprob_fn(
     reference model's params need no optimiser state). ``num_microbatches`` > 1 runs the rows in
     ``lax.map`` chunks (same strided split as the updates) and ``chunk_size`` computes the logits
     in chunks of that many positions (``token_logprobs_from_hidden``), both to bound the
-    [B, T, V] logits memory.
-    Uses ``input_ids``, ``attention_mask`` and ``labels``; other fields are ignored.
+    [B, T, V] logits memory; chunked, only ``loss_mask`` positions are computed (0 elsewhere).
+    Uses ``input_ids``, ``attention_mask`` and ``labels`` (and the packing fields and
+    ``loss_mask`` when present); other fields are ignored.
     """
     _check_microbatches(num_microbatches)
     _check_chunk_size(chunk_size)
@@ -416,12 +432,19 @@ def make_logprob_fn(
             batch.labels,
             batch.positions,
             batch.segment_ids,
+            batch.loss_mask,
         )
 
         def one(x):
-            ids, mask, labels, positions, segment_ids = x
+            ids, mask, labels, positions, segment_ids, loss_mask = x
             hidden, _ = lm.backbone(ids, mask, positions, segment_ids=segment_ids)
-            return token_logprobs_from_hidden(lm, hidden, labels, chunk_size=chunk_size)
+            return token_logprobs_from_hidden(
+                lm,
+                hidden,
+                labels,
+                chunk_size=chunk_size,
+                mask_bt=None if chunk_size is None else loss_mask,
+            )
 
         if num_microbatches == 1:
             return one(inputs)

@@ -87,6 +87,7 @@ def logprobs_from_hidden(
     *,
     chunk_size: int | None = None,
     entropy_grad: bool = False,
+    mask_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(log p(label), entropy), float32 [B, T], from final hidden states, in position chunks.
 
@@ -99,27 +100,47 @@ def logprobs_from_hidden(
       chunk_size: positions per chunk; None (or >= T) computes all logits at once. T need not
         be a multiple: the last chunk is zero-padded and the padding dropped.
       entropy_grad: as ``logprobs_and_entropy``.
+      mask_bt: optional [B, T] (nonzero: a position the caller reads, e.g. the loss mask). Both
+        outputs are 0 where it is 0, and a chunk where it is 0 in every row skips the lm_head
+        (``lax.cond``): the prompt and padding chunks of right-padded rows cost nothing.
     """
     b, t = labels_bt.shape
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"logprob chunk_size must be None or >= 1, got {chunk_size!r}")
+    keep = jnp.ones((b, t), bool) if mask_bt is None else mask_bt != 0
+
+    def masked(logp, ent, keep):
+        return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
+
     if chunk_size is None or chunk_size >= t:
-        return logprobs_and_entropy(lm_head_fn(hidden_btd), labels_bt, entropy_grad=entropy_grad)
+        out = logprobs_and_entropy(lm_head_fn(hidden_btd), labels_bt, entropy_grad=entropy_grad)
+        return out if mask_bt is None else masked(*out, keep)
     n = -(-t // chunk_size)
     pad = n * chunk_size - t
     if pad:
         hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
         labels_bt = jnp.pad(labels_bt, ((0, 0), (0, pad)))
+        keep = jnp.pad(keep, ((0, 0), (0, pad)))
     # [n, B, C, ...]: the chunk axis leads (the loop axis); rows keep their batch sharding.
     h = hidden_btd.reshape(b, n, chunk_size, -1).swapaxes(0, 1)
     lab = labels_bt.reshape(b, n, chunk_size).swapaxes(0, 1)
+    kp = keep.reshape(b, n, chunk_size).swapaxes(0, 1)
+
+    def compute(h_c, l_c, k_c):
+        return masked(*logprobs_and_entropy(lm_head_fn(h_c), l_c, entropy_grad=entropy_grad), k_c)
+
+    def skip(h_c, l_c, k_c):
+        zeros = jnp.zeros(l_c.shape, _f32)
+        return zeros, zeros
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def one(xs):
-        h_c, l_c = xs
-        return logprobs_and_entropy(lm_head_fn(h_c), l_c, entropy_grad=entropy_grad)
+        h_c, l_c, k_c = xs
+        if mask_bt is None:
+            return compute(h_c, l_c, k_c)
+        return jax.lax.cond(jnp.any(k_c), compute, skip, h_c, l_c, k_c)
 
-    logp, ent = jax.lax.map(one, (h, lab))
+    logp, ent = jax.lax.map(one, (h, lab, kp))
 
     def merge(x):
         return x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]

@@ -89,18 +89,21 @@ def test_hidden_gradient_and_padding_dropped(chunk_size):
 
 
 def test_make_logprob_fn_chunked():
+    """Chunked old/reference log-probs equal the unchunked ones on the loss mask (prompt
+    positions, here the first chunk of every row, read 0)."""
     graphdef, params, ids, labels, _ = _setup(tie=True)
+    loss_mask = (jnp.arange(T)[None, :] >= 3 + jnp.arange(B)[:, None]).astype(jnp.float32)
     batch = batch_lib.Batch(
         input_ids=ids,
         attention_mask=jnp.ones((B, T), jnp.int32),
         labels=labels,
-        loss_mask=jnp.ones((B, T), bool),
+        loss_mask=loss_mask,
     )
     ref = jax.jit(updates.make_logprob_fn(graphdef))(params, batch)
     got = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=3, chunk_size=3))(
         params, batch
     )
-    _assert_close(got, ref)
+    _assert_close(got, jax.tree.map(lambda x: jnp.where(loss_mask > 0, x, 0.0), ref))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5])
@@ -139,3 +142,41 @@ def test_vocab_parallel_head_on_a_mesh():
     one_shard = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     assert logprobs_lib.vocab_parallel_head(lambda: weight, one_shard, jnp.float32) is None
     assert logprobs_lib.vocab_parallel_head(lambda: weight[:23], mesh, jnp.float32) is None
+
+
+def test_masked_chunks_are_skipped_and_exact_on_the_mask():
+    """With a mask, positions outside it read 0 and chunks outside it in every row skip the
+    head; on the mask, values and gradients equal the unchunked, unmasked computation."""
+    rng = np.random.default_rng(3)
+    d, v = 8, 19
+    hidden = jnp.asarray(rng.normal(size=(B, T, d)).astype(np.float32))
+    kernel = jnp.asarray(0.5 * rng.normal(size=(d, v)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, v, (B, T)).astype(np.int32))
+    mask = np.zeros((B, T), bool)
+    mask[0, 5:7] = True  # chunks of 4: [0, 4) and [8, 11) are outside the mask in every row
+    mask[2, 6] = True
+    mask = jnp.asarray(mask)
+
+    def head(x):
+        return x @ kernel
+
+    def f(h, k, chunk_size, m):
+        logp, ent = logprobs_lib.logprobs_from_hidden(
+            h, lambda x: x @ k, labels, chunk_size=chunk_size, entropy_grad=True, mask_bt=m
+        )
+        return jnp.sum(logp * mask) + jnp.sum(ent * mask), (logp, ent)
+
+    (v_ref, (lp_ref, ent_ref)), g_ref = jax.value_and_grad(f, (0, 1), has_aux=True)(
+        hidden, kernel, None, None
+    )
+    (v_got, (lp_got, ent_got)), g_got = jax.value_and_grad(f, (0, 1), has_aux=True)(
+        hidden, kernel, 4, mask
+    )
+    _assert_close((v_got, g_got), (v_ref, g_ref))
+    _assert_close(lp_got, jnp.where(mask, lp_ref, 0.0))
+    _assert_close(ent_got, jnp.where(mask, ent_ref, 0.0))
+    # The chunk loop branches on each chunk's mask (lax.cond), so unmasked chunks run no head.
+    jaxpr = jax.make_jaxpr(
+        lambda h: logprobs_lib.logprobs_from_hidden(h, head, labels, chunk_size=4, mask_bt=mask)
+    )(hidden)
+    assert "cond" in str(jaxpr)
