@@ -315,7 +315,7 @@ def _finish(
     value_tx: optax.GradientTransformation | None = None,
 ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
     """Apply the optimiser(s), guard against non-finite steps, and finalise the metrics."""
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -323,7 +323,7 @@ def _finish(
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=new_rng)
     out = policy_loss.finalize_metrics(metrics)
     if value_grads is not None:
-        value_grad_norm = optax.global_norm(value_grads)
+        value_grad_norm = optax.tree.norm(value_grads)
         v_updates, v_opt = value_tx.update(value_grads, state.value_opt_state, state.value_params)
         new = new.replace(
             value_params=optax.apply_updates(state.value_params, v_updates), value_opt_state=v_opt
