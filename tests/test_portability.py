@@ -52,20 +52,7 @@ B, T = 16, 64  # training rows x tokens: small, lowering time does not depend on
 MICROBATCHES = 2  # exercises the lax.scan accumulation path of every update
 
 # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B), float32 master weights, bfloat16 compute.
-QWEN25_1_5B = M.ModelConfig(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=131072,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    dtype="bfloat16",
-    param_dtype="float32",
-)
+QWEN25_1_5B = M.ModelConfig.qwen2_5_1_5b(dtype="bfloat16", param_dtype="float32")
 
 # name -> {platform: len(exported.mlir_module())}; printed at the end of the module (pytest -s).
 SIZES: dict[str, dict[str, int]] = {}

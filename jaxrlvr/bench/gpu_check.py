@@ -45,18 +45,6 @@ PARTS = ("matmul", "update", "sampler", "demo")
 # Per-part limits (seconds) for the full check: all four fit the 8-minute budget with margin.
 TIMEOUT_S = {"matmul": 40, "update": 160, "sampler": 110, "demo": 170}
 
-# Qwen2.5-1.5B (and -Math-1.5B): the architecture of the course's leaderboard model.
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-)
 SMOKE_MODEL = dict(
     vocab_size=512,
     hidden_size=64,
@@ -93,8 +81,10 @@ DEMO_OVERRIDES = {
 def model_config(smoke: bool, **overrides):
     from jaxrlvr.model import config as model_config
 
-    sizes = SMOKE_MODEL if smoke else QWEN25_15B
-    return model_config.ModelConfig(**sizes, max_position_embeddings=2048, **overrides)
+    if smoke:
+        return model_config.ModelConfig(**SMOKE_MODEL, max_position_embeddings=2048, **overrides)
+    # Qwen2.5-1.5B (and -Math-1.5B): the architecture of the course's leaderboard model.
+    return model_config.ModelConfig.qwen2_5_1_5b(max_position_embeddings=2048, **overrides)
 
 
 def flops_per_token(cfg, seq: int, passes: int) -> float:

@@ -47,20 +47,8 @@ def qwen25_math_1_5b():
     storage, remat, scanned layers."""
     from jaxrlvr.model import config as model_config
 
-    return model_config.ModelConfig(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-        param_dtype="float32",
-        remat=True,
-        scan_layers=True,
+    return model_config.ModelConfig.qwen2_5_math_1_5b(
+        dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True
     )
 
 

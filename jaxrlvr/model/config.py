@@ -257,6 +257,33 @@ class ModelConfig:
 
     # Presets.
     @classmethod
+    def qwen2_5_1_5b(cls, **overrides) -> ModelConfig:
+        """Qwen2.5-1.5B (its config.json): 1.5B parameters, vocabulary 151,936, tied embeddings.
+        For abstract-shape benchmarks and export tests; real weights come from ``load_hf``."""
+        fields = dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=131072,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def qwen2_5_math_1_5b(cls, **overrides) -> ModelConfig:
+        """Qwen2.5-Math-1.5B (the course's leaderboard model): Qwen2.5-1.5B's shapes with a
+        4,096-token context and rope theta 10,000."""
+        return cls.qwen2_5_1_5b(
+            **{"max_position_embeddings": 4096, "rope_theta": 10000.0, **overrides}
+        )
+
+    @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
         """A ~0.1M-parameter model for tests and the CPU demo."""
         fields = dict(
