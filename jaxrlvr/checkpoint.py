@@ -214,6 +214,28 @@ class Checkpointer:
             self._open()
         return sorted(self._manager.all_steps())
 
+    def set_aside_newer_than(self, step: int) -> list[str]:
+        """Moves the checkpoints newer than ``step`` (ones a resume skipped as unreadable) out
+        of the directory, into ``<directory>.unreadable/<step>``, so that the resumed run can
+        save those steps again; nothing is deleted. Returns the new paths."""
+        newer = [s for s in self.all_steps() if s > step]
+        if not newer:
+            return []
+        self.close()
+        aside = self.directory.rstrip(os.sep) + ".unreadable"
+        os.makedirs(aside, exist_ok=True)
+        moved = []
+        for s in newer:
+            dest = os.path.join(aside, str(s))
+            suffix = 1
+            while os.path.exists(dest):
+                dest = os.path.join(aside, f"{s}-{suffix}")
+                suffix += 1
+            os.rename(os.path.join(self.directory, str(s)), dest)
+            moved.append(dest)
+        self._open()
+        return moved
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
         steps = self.all_steps()

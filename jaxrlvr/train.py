@@ -513,6 +513,9 @@ class Trainer:
             log(f"--resume: no checkpoint in {self.ckpt.directory} yet; starting fresh")
             return
         step, tree, extra = restored
+        if jax.process_index() == 0:
+            for path in self.ckpt.set_aside_newer_than(step):
+                log(f"moved the unreadable checkpoint to {path} (kept for inspection)")
         loop = LoopState(**extra["loop"])
         if loop.phase != self.loop.phase:
             self._enter_phase(loop.phase, self.state.params, self.state.rng)

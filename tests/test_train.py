@@ -285,6 +285,7 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
     newest = run_dir / "checkpoints" / "4" / "state"
     data = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[:16])
+    data_bytes = data.read_bytes()
     proc = _jaxrlvr(
         "train",
         *SFT_ONLY,
@@ -295,6 +296,10 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
     )
     assert "checkpoint step 4 in" in proc.stderr and "trying the next older one" in proc.stderr
     assert "resumed from checkpoint step 2" in proc.stderr
+    # The skipped checkpoint is kept aside, byte for byte, and step 4 was saved anew.
+    aside = run_dir / "checkpoints.unreadable" / "4" / "state"
+    assert (aside / data.relative_to(newest)).read_bytes() == data_bytes
+    assert (run_dir / "checkpoints" / "6").is_dir()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 7))
 
