@@ -80,6 +80,21 @@ class PackedBatch:
         return out
 
 
+def _write_completion(
+    loss_mask, sampler_logp, row, first, i, length, loss_weights, sampler_logps
+) -> None:
+    """Completion ``i``'s loss weights (default 1) and sampler log-probs at its ``length`` label
+    positions from ``first`` in ``row``; the one writer for padded and packed rows."""
+    if not length:
+        return
+    weights = np.ones(length, np.float32)
+    if loss_weights is not None:
+        weights = np.asarray(loss_weights[i], np.float32)
+    loss_mask[row, first : first + length] = weights
+    if sampler_logps is not None:
+        sampler_logp[row, first : first + length] = np.asarray(sampler_logps[i], np.float32)
+
+
 def pack(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
@@ -147,13 +162,7 @@ def pack(
         labels[i, :n] = full[1:]
         attention[i, :n] = 1
         start = len(p) - 1  # label position of the first completion token
-        if len(c):
-            weights = np.ones(len(c), np.float32)
-            if loss_weights is not None:
-                weights = np.asarray(loss_weights[i], np.float32)
-            loss_mask[i, start : start + len(c)] = weights
-            if sampler_logps is not None:
-                sampler_logp[i, start : start + len(c)] = np.asarray(sampler_logps[i], np.float32)
+        _write_completion(loss_mask, sampler_logp, i, start, i, len(c), loss_weights, sampler_logps)
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -230,13 +239,9 @@ def _pack_segments(
         positions[row, start:end] = np.arange(n)
         c = completions[i]
         first = start + len(prompts[i]) - 1  # label position of the first completion token
-        if len(c):
-            weights = np.ones(len(c), np.float32)
-            if loss_weights is not None:
-                weights = np.asarray(loss_weights[i], np.float32)
-            loss_mask[row, first : first + len(c)] = weights
-            if sampler_logps is not None:
-                sampler_logp[row, first : first + len(c)] = np.asarray(sampler_logps[i], np.float32)
+        _write_completion(
+            loss_mask, sampler_logp, row, first, i, len(c), loss_weights, sampler_logps
+        )
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention,
