@@ -183,6 +183,7 @@ def grpo(
     *,
     mesh: Any = None,
     epochs_per_batch: int = 1,
+    rollouts_may_be_stale: bool = False,
     logprob_microbatches: int | None = None,
 ) -> Algorithm:
     """GRPO and its variants (``updates.make_grpo_update`` on per-sequence advantages).
@@ -195,6 +196,13 @@ def grpo(
     logits memory. With one epoch on fresh rollouts the old policy IS the current one, so the
     update uses its own log-probs behind a stop-gradient (ratio exactly 1) and a forward pass is
     saved (TRL does the same).
+
+    ``rollouts_may_be_stale``: the driver may hand ``prepare`` rollouts sampled by older weights
+    than ``state.params`` (asynchronous rollouts, ``max_staleness > 0``). The skip is then wrong
+    (the ratio's denominator must be the policy the rollouts are corrected against), so the old
+    pass always runs: it is skipped only when ``epochs_per_batch == 1`` and the rollouts cannot be
+    stale. Either way truncated IS weights the tokens by old / sampler log-probs, with the
+    sampler's own log-probs (``sampler_logp``) as the denominator.
     """
     cfg = cfg or updates.GRPOUpdateConfig()
     tx, schedule = _optimizer(optimizer)
@@ -206,6 +214,7 @@ def grpo(
         graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
     )
     needs_ref = cfg.loss.kl_coef > 0
+    needs_old = epochs_per_batch > 1 or bool(rollouts_may_be_stale)
 
     def init(params, rng=0):
         return state_lib.TrainState.create(
@@ -213,7 +222,7 @@ def grpo(
         )
 
     def prepare(state, rollouts):
-        batch, metrics = _policy_passes(logprob_fn, state, rollouts, old=epochs_per_batch > 1)
+        batch, metrics = _policy_passes(logprob_fn, state, rollouts, old=needs_old)
         return select_fields(batch, update.batch_spec), metrics
 
     return Algorithm(
