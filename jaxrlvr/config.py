@@ -15,6 +15,7 @@ from typing import Literal
 from jaxrlvr import configlib
 from jaxrlvr.algos import loss_config, updates
 from jaxrlvr.algos.optim import OptimizerConfig
+from jaxrlvr.data.scratchpad import ScratchpadConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
 from jaxrlvr.distributed import DistributedConfig
 from jaxrlvr.model.config import dtype_name
@@ -69,9 +70,12 @@ class ModelSection:
 class DataSection:
     """Problems with checkable answers.
 
-    ``train`` / ``eval``: "synthetic" (the seeded arithmetic task), a local jsonl/parquet file, or
-    a hub dataset name. ``template``: the prompt template. ``gold_format``: the completion an SFT
-    warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer.
+    ``train`` / ``eval``: "synthetic" (the seeded arithmetic task), "scratchpad" (the seeded
+    arithmetic task with written work, ``data.scratchpad``), a local jsonl/parquet file, or a hub
+    dataset name; the generated tasks' sizes are ``synthetic_train_size`` and
+    ``synthetic_eval_size``. ``template``: the prompt template. ``gold_format``: the completion an
+    SFT warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer and
+    ``{solution}`` by its worked solution (``Problem.solution``).
     """
 
     train: str = "synthetic"
@@ -84,6 +88,7 @@ class DataSection:
     on_bad_row: Literal["skip", "raise"] = "skip"
     template: Literal["r1_zero", "question_only", "chat"] = "r1_zero"
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+    scratchpad: ScratchpadConfig = dataclasses.field(default_factory=ScratchpadConfig)
     synthetic_train_size: int = 2000
     synthetic_eval_size: int = 200
     gold_format: str = " <answer>{answer}</answer>"
@@ -271,6 +276,8 @@ class RLSection:
 
 
 PREFERENCE_ALGOS = ("dpo", "ipo", "simpo", "orpo")
+# data.train values that name a generated task instead of a file or hub dataset.
+GENERATED_TASKS = ("synthetic", "scratchpad")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

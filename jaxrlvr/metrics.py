@@ -204,6 +204,22 @@ class MetricsLogger:
         self.close()
 
 
+def length_by_outcome(lengths: Any, correct: Any, prefix: str = "") -> dict[str, float]:
+    """Mean response length of the correct and of the incorrect responses (the Dr. GRPO audit's
+    curves): ``{prefix}response_length_correct_mean`` and ``..._incorrect_mean``, NaN (logged
+    as null) when a side is empty. ``correct``: 0/1 (or bool) per response, like ``lengths``."""
+    lengths = np.asarray(lengths, np.float64).reshape(-1)
+    right = np.asarray(correct).reshape(-1) > 0
+    if lengths.shape != right.shape:
+        raise ValueError(f"length_by_outcome: {lengths.shape[0]} lengths, {right.shape[0]} flags")
+    out = {}
+    for name, sel in (("correct", right), ("incorrect", ~right)):
+        out[f"{prefix}response_length_{name}_mean"] = (
+            float(lengths[sel].mean()) if sel.any() else float("nan")
+        )
+    return out
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase: ``with timer.phase("sample"): ...``.
 

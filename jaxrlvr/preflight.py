@@ -317,7 +317,7 @@ def check(
         check_tokenizer_dir(model_path, "model.path (its tokenizer)")
 
     d = cfg.data
-    if d.train != "synthetic":
+    if d.train not in config_lib.GENERATED_TASKS:
         check_data_file(d.train, "data.train")
     if d.eval is not None:
         check_data_file(d.eval, "data.eval")

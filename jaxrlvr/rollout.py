@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.algos import advantages as advantages_lib
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import loss_config, shaping
@@ -403,6 +404,7 @@ def shape(
             "format_rate": float(np.mean([s["format_reward"] for s in scores])),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
+            **metrics_lib.length_by_outcome(lengths, correct),
             "zero_variance_group_fraction": float(zero_var.mean()),
             "truncated_fraction": float(
                 np.mean([c.finish_reason == "length" for c in completions])

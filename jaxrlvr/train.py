@@ -47,7 +47,7 @@ from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import loss_config, preference, updates
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import iterators, loading, synthetic, templates
+from jaxrlvr.data import iterators, loading, scratchpad, synthetic, templates
 from jaxrlvr.data import tokenizer as tokenizer_lib
 from jaxrlvr.rewards import grading, verifiers
 from jaxrlvr.sampling import base as sampling_base
@@ -128,6 +128,10 @@ def load_splits(
     if d.train == "synthetic":
         return synthetic.make_splits(
             cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
+        )
+    if d.train == "scratchpad":
+        return scratchpad.make_splits(
+            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.scratchpad
         )
 
     def load(path, split):
@@ -380,6 +384,9 @@ def evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn) -> dict[str, fl
         "eval/format_rate": float(np.mean([s["format_reward"] for s in scores])),
         "eval/reward_mean": float(np.mean([s["reward"] for s in scores])),
         "eval/response_length_mean": float(np.mean(lengths)),
+        **metrics_lib.length_by_outcome(
+            lengths, [s["answer_reward"] for s in scores], prefix="eval/"
+        ),
         "eval/n": len(problems),
         "eval/samples_per_problem": n,
     }
@@ -531,7 +538,7 @@ class Trainer:
             return [
                 loading.Problem(
                     question=render(cfg, p, self.tokenizer),
-                    answer=cfg.data.gold_format.replace("{answer}", p.answer),
+                    answer=templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
                     id=p.id,
                 )
                 for p in self.train_problems

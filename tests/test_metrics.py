@@ -212,3 +212,13 @@ def test_phase_timer():
     with timer.phase("a"), pytest.raises(RuntimeError, match="already being timed"):
         with timer.phase("a"):
             pass
+
+
+def test_length_by_outcome():
+    out = metrics.length_by_outcome([4, 10, 6, 20], np.array([1.0, 0.0, 1.0, 0.0]), prefix="e/")
+    assert out == {"e/response_length_correct_mean": 5.0, "e/response_length_incorrect_mean": 15.0}
+    none_right = metrics.length_by_outcome([3, 5], [False, False])
+    assert math.isnan(none_right["response_length_correct_mean"])
+    assert none_right["response_length_incorrect_mean"] == 4.0
+    with pytest.raises(ValueError, match="3 lengths, 2 flags"):
+        metrics.length_by_outcome([1, 2, 3], [1, 0])

@@ -105,6 +105,9 @@ class PolicyLossConfig:
     norm_constant: the Dr. GRPO constant (e.g. max new tokens); required by, and only used by,
         "seq_mean_token_sum_norm".
     clip_eps_low, clip_eps_high: ratio clipped to [1 - low, 1 + high] (DAPO clip-higher).
+    clip: False drops the clipped branch: pg = -rho * A, the unclipped importance-weighted
+        objective (CS336 assignment 5's "GRPO-No-Clip" off-policy ablation); it only differs
+        from clipping when rho != 1, i.e. from the second update on the same rollouts.
     dual_clip: constant c > 1; for negative advantages the loss is capped at -c * A
         (Ye et al. 2020).
     ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO: length-normalised sequence ratio).
@@ -121,6 +124,7 @@ class PolicyLossConfig:
     norm_constant: float | None = None
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    clip: bool = True
     dual_clip: float | None = None
     ratio_level: RatioLevel = "token"
     kl_coef: float = 0.0

@@ -6,6 +6,7 @@ Per valid token (advantage A broadcast from its sequence, or per token for PPO/G
               | clip(mean_t(lp - old_lp), +-clamp)         sequence ratio (GSPO, Zheng et al. 2025)
     pg        = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
                                                    (clip-higher: DAPO, Yu et al. 2025)
+              | -rho * A                           when cfg.clip is False (no trust region)
     pg        = min(pg, -c * A) where A < 0        (dual clip, Ye et al. 2020)
     loss_t    = w_t * pg + beta * KL_t - alpha * H_t
                  w_t: truncated IS weight (Yao et al. 2025), KL_t: k1/k2/k3 (Schulman's blog)
@@ -110,7 +111,10 @@ def policy_loss(
     adv = adv[:, None] if adv.ndim == 1 else adv
     adv = jnp.broadcast_to(adv, shape)
     surr = ratio * adv
-    surr_clip = jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
+    if cfg.clip:
+        surr_clip = jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
+    else:
+        surr_clip = surr  # min(surr, surr) = surr: the unclipped objective, never "clipped"
     pg = -jnp.minimum(surr, surr_clip)
     clipped = surr_clip < surr  # the constant branch won: zero gradient on this token
     if cfg.dual_clip is not None:

@@ -7,6 +7,8 @@ Submodules:
   ``CurriculumPromptIterator`` with its ``SuccessRateTracker``.
 - ``templates``: ``render_prompt`` for the R1-Zero, question-only and chat templates.
 - ``synthetic``: seeded multi-step arithmetic problems and disjoint ``make_splits``.
+- ``scratchpad``: seeded arithmetic whose worked solutions (``Problem.solution``) write a
+  variable amount of work before the answer, for RL runs where response length can move.
 - ``tokenizer``: ``build_char_tokenizer`` for tiny from-scratch models.
 - ``samples/``: small hand-written MATH-style (jsonl, parquet) and GSM8K-style (jsonl) files;
   ``sample_path(name)`` gives their location.
@@ -17,7 +19,7 @@ here (it pulls in transformers); import it as ``from jaxrlvr.data import tokeniz
 
 import importlib.resources
 
-from jaxrlvr.data import iterators, loading, synthetic, templates
+from jaxrlvr.data import iterators, loading, scratchpad, synthetic, templates
 from jaxrlvr.data.iterators import CurriculumPromptIterator, PromptIterator, SuccessRateTracker
 from jaxrlvr.data.loading import DataConfig, LoadStats, Problem, load_problems
 from jaxrlvr.data.templates import render_prompt
@@ -40,6 +42,7 @@ __all__ = [
     "loading",
     "render_prompt",
     "sample_path",
+    "scratchpad",
     "synthetic",
     "templates",
 ]

@@ -27,11 +27,16 @@ _SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One prompt-worthy problem with its verifiable ground truth."""
+    """One prompt-worthy problem with its verifiable ground truth.
+
+    ``solution``: a worked solution when the task has one (the scratchpad task's written work,
+    which an SFT warm start's ``data.gold_format`` inserts at ``{solution}``); None otherwise.
+    """
 
     question: str
     answer: str
     id: str
+    solution: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

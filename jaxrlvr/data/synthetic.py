@@ -16,12 +16,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from typing import Literal, get_args
+from collections.abc import Callable
+from typing import Literal, TypeVar, get_args
 
 from jaxrlvr.data import loading
 
 Operations = Literal["add_sub", "add_sub_mul"]
 Style = Literal["equation", "word"]
+
+T = TypeVar("T")
 
 _NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana")
 _ITEMS = ("apples", "coins", "marbles", "stamps", "books", "shells")
@@ -98,8 +101,9 @@ def _word_problem(start: int, steps: list[tuple[str, int]], rng: random.Random) 
     return " ".join(sentences)
 
 
-def generate_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int]:
-    """One (question, answer) drawn from ``rng``."""
+def draw_chain(rng: random.Random, cfg: SyntheticConfig) -> tuple[int, list[tuple[str, int]], int]:
+    """(start, [(op, operand), ...], value): ``cfg.num_steps`` operations drawn from ``rng``, every
+    intermediate value in ``[0, cfg.max_value]``; ``op`` is ``+``, ``-`` or ``*``."""
     ops = ["+", "-"] + (["*"] if cfg.operations == "add_sub_mul" else [])
     value = rng.randint(0, cfg.max_operand)
     start, steps = value, []
@@ -116,22 +120,63 @@ def generate_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int
                     choices.append((op, 2, hi))
         op, lo, hi = rng.choice(choices)
         operand = rng.randint(lo, hi)
-        value = value + operand if op == "+" else value - operand if op == "-" else value * operand
+        value = apply_op(value, op, operand)
         steps.append((op, operand))
-    if cfg.style == "word":
-        return _word_problem(start, steps, rng), value
-    # Equations read left to right; a multiplication of a compound expression gets brackets.
+    return start, steps, value
+
+
+def apply_op(value: int, op: str, operand: int) -> int:
+    """``value op operand`` for ``op`` in ``+ - *``."""
+    return value + operand if op == "+" else value - operand if op == "-" else value * operand
+
+
+def equation_text(start: int, steps: list[tuple[str, int]]) -> str:
+    """The equation of a chain, read left to right (``"7 + 5 - 3 ="``); a multiplication of a
+    compound expression gets brackets, and ``*`` is written ``x``."""
     text = str(start)
     for op, operand in steps:
         if op == "*":
             text = f"({text}) x {operand}" if " " in text else f"{text} x {operand}"
         else:
             text = f"{text} {op} {operand}"
-    return text + " =", value
+    return text + " ="
 
 
-def _problem_id(question: str) -> str:
-    return "syn-" + hashlib.sha1(question.encode("utf-8")).hexdigest()[:12]
+def generate_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int]:
+    """One (question, answer) drawn from ``rng``."""
+    start, steps, value = draw_chain(rng, cfg)
+    if cfg.style == "word":
+        return _word_problem(start, steps, rng), value
+    return equation_text(start, steps), value
+
+
+def problem_id(question: str, prefix: str = "syn") -> str:
+    """A stable id from the question text: ``prefix-`` and 12 hex digits of its SHA-1."""
+    return prefix + "-" + hashlib.sha1(question.encode("utf-8")).hexdigest()[:12]
+
+
+def distinct_problems(draw: Callable[[], tuple[str, T]], wanted: int, what: str) -> dict[str, T]:
+    """``wanted`` draws with distinct question texts, in draw order: ``{question: payload}``.
+
+    ``draw()`` returns ``(question, payload)``; repeated questions are skipped. Raises
+    ``ValueError`` naming ``what`` when the question space is (nearly) exhausted.
+    """
+    seen: dict[str, T] = {}
+    misses = 0
+    while len(seen) < wanted:
+        question, payload = draw()
+        if question in seen:
+            # Consecutive repeats mean the question space is (nearly) exhausted.
+            misses += 1
+            if misses > max(10_000, 20 * len(seen)):
+                raise ValueError(
+                    f"{what} has too few distinct questions for {wanted} problems "
+                    f"(found {len(seen)})"
+                )
+            continue
+        seen[question] = payload
+        misses = 0
+    return seen
 
 
 def make_splits(
@@ -150,23 +195,10 @@ def make_splits(
     if n_train < 0 or n_eval < 0:
         raise ValueError("make_splits needs n_train >= 0 and n_eval >= 0")
     rng = random.Random(seed)
-    wanted = n_train + n_eval
-    seen: dict[str, int] = {}
-    misses = 0
-    while len(seen) < wanted:
-        question, answer = generate_problem(rng, cfg)
-        if question in seen:
-            # Consecutive repeats mean the question space is (nearly) exhausted.
-            misses += 1
-            if misses > max(10_000, 20 * len(seen)):
-                raise ValueError(
-                    f"synthetic difficulty {cfg} has too few distinct questions for {wanted} "
-                    f"problems (found {len(seen)})"
-                )
-            continue
-        seen[question] = answer
-        misses = 0
+    seen = distinct_problems(
+        lambda: generate_problem(rng, cfg), n_train + n_eval, f"synthetic difficulty {cfg}"
+    )
     problems = [
-        loading.Problem(question=q, answer=str(a), id=_problem_id(q)) for q, a in seen.items()
+        loading.Problem(question=q, answer=str(a), id=problem_id(q)) for q, a in seen.items()
     ]
     return problems[:n_train], problems[n_train:]

@@ -50,3 +50,20 @@ def render_prompt(template: TemplateName, question: str, tokenizer: Any = None) 
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
     return load_template(template).replace(PLACEHOLDER, question)
+
+
+def render_gold(gold_format: str, answer: str, solution: str | None = None) -> str:
+    """An SFT target: ``gold_format`` with ``{answer}`` and ``{solution}`` replaced (plain string
+    replace, as for prompts).
+
+    Raises:
+      ValueError: when ``gold_format`` has ``{solution}`` and the problem has no worked solution.
+    """
+    if "{solution}" in gold_format:
+        if solution is None:
+            raise ValueError(
+                f"data.gold_format {gold_format!r} uses {{solution}}, but the problem has no "
+                "worked solution (only the scratchpad task provides one)"
+            )
+        gold_format = gold_format.replace("{solution}", solution)
+    return gold_format.replace("{answer}", answer)

@@ -25,6 +25,7 @@ CONFIGS = {
     "kl_k2": PLC(kl_coef=0.3, kl_estimator="k2", aggregation="seq_mean_token_sum"),
     "tis_token": PLC(tis="token", tis_cap=1.5),
     "tis_sequence": PLC(tis="sequence", tis_cap=1.2, aggregation="token_mean"),
+    "no_clip": PLC(clip=False),
 }
 
 
@@ -74,6 +75,7 @@ def _loop_reference(d, cfg):
             a = float(adv[i])
             unclipped = ratio * a
             clipped = min(max(ratio, 1 - cfg.clip_eps_low), 1 + cfg.clip_eps_high) * a
+            clipped = clipped if cfg.clip else unclipped
             n_clip += clipped < unclipped
             pg = -min(unclipped, clipped)
             if cfg.dual_clip is not None and a < 0:
@@ -163,6 +165,30 @@ def test_zero_gradient_on_clipped_and_dual_clipped_tokens():
     assert float(m["clip_frac_sum"]) == 2 and float(m["dual_clip_frac_sum"]) == 1
     assert float(m["clip_high_frac_sum"]) == 1  # case 0: ratio 1.5 > 1.2 with A > 0
     assert float(m["clip_low_frac_sum"]) == 1  # case 1: ratio 0.5 < 0.8 with A < 0
+
+
+def test_no_clip_keeps_the_gradient_that_clipping_zeroes():
+    # The tokens of the test above whose clipped branch wins (ratio 1.5 with A > 0, 0.5 with
+    # A < 0) and two inside the range: without clipping every token gets -ratio * A / B.
+    log_ratio = np.log(np.array([1.5, 0.5, 1.1, 0.9], np.float32))
+    adv = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
+    b = len(adv)
+    old = np.full((b, 1), -1.0, np.float32)
+    lp = old + log_ratio[:, None]
+    d = dict(lp=lp, old=old, adv=adv, mask=np.ones((b, 1), np.float32), ref=None, sampler=None)
+    d["ent"] = None
+
+    def grad(cfg):
+        def f(x):
+            return _run(d, cfg, lp=x, ref_logp_bt=None, sampler_logp_bt=None, entropy_bt=None)[0]
+
+        return np.asarray(jax.grad(f)(jnp.asarray(lp)))[:, 0]
+
+    want = -np.exp(log_ratio) * adv / b
+    np.testing.assert_allclose(grad(PLC(clip=False)), want, rtol=1e-6)
+    clipped = grad(PLC())
+    assert np.all(clipped[:2] == 0.0)
+    np.testing.assert_allclose(clipped[2:], want[2:], rtol=1e-6)
 
 
 def test_gspo_gradient_is_sequence_ratio_times_mean_token_gradient():
