@@ -287,10 +287,14 @@ class PrefSection:
     ``data``: a jsonl file of rows with ``prompt_field`` (the full prompt text, as the model sees
     it), ``chosen_field`` and ``rejected_field`` (response texts; EOS is appended), read with
     ``datasets`` (``jaxrlvr pairs`` writes such a file). ``batch_size``: pairs per step (2 x rows:
-    chosen then rejected, unpacked). ``beta``, ``label_smoothing`` (DPO), ``gamma`` (SimPO): as
+    chosen then rejected, unpacked). ``beta``, ``label_smoothing`` (DPO), ``gamma`` (SimPO),
+    ``nll_weight`` (DPO/IPO/SimPO + the chosen responses' NLL: RPO): as
     ``preference.PreferenceLossConfig``. The phase runs ``rl.steps`` steps with ``rl.microbatches``
     (which must divide ``batch_size``), ``rl.logprob_chunk_size`` and ``optim``; held-out
     evaluation every ``eval.every`` steps, as the RL loop.
+    ``cache_reference`` (DPO, IPO): compute the frozen reference's log-probs once for the whole
+    data set when the phase starts and reuse them every epoch, instead of one reference forward
+    per batch (the same values; SimPO and ORPO have no reference, so it changes nothing there).
     """
 
     data: str | None = None
@@ -301,6 +305,8 @@ class PrefSection:
     beta: float = 0.1
     label_smoothing: float = 0.0
     gamma: float = 1.0
+    nll_weight: float = 0.0
+    cache_reference: bool = False
 
     def __post_init__(self):
         if self.batch_size < 1:

@@ -277,6 +277,7 @@ def make_algorithm(
             beta=cfg.pref.beta,
             label_smoothing=cfg.pref.label_smoothing,
             gamma=cfg.pref.gamma,
+            nll_weight=cfg.pref.nll_weight,
         )
         pref_cfg = preference.PreferenceUpdateConfig(
             loss=loss, num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
@@ -738,9 +739,12 @@ class Trainer:
             raise ValueError(f"pref.data={pref.data!r}: no usable {'/'.join(keys)} rows")
         return good
 
-    def _preference_batch(self, pairs: list[tuple[str, str, str]]):
+    def _preference_batch(self, pairs: list[tuple]):
         """Stacked pair rows (``algos.preference``): the P chosen, then the P rejected, each
-        prompt + response + EOS, right-padded (unpacked), cut to the model's context."""
+        prompt + response + EOS, right-padded (unpacked), cut to the model's context. Pairs
+        that carry cached reference log-probs (``_cache_reference``: per response token, two
+        more entries) fill ``ref_logp`` at the response positions, so ``prepare`` runs no
+        reference forward."""
         limit = self.model_cfg.max_position_embeddings
         eos = self.tokenizer.eos_token_id
         prompts, responses = [], []
@@ -751,15 +755,47 @@ class Trainer:
                 prompts.append(p)
                 responses.append(r[: max(limit - len(p), 0)])
         packed = rollout.pack(prompts, responses, pad_id=self.pad_id, max_length=limit)
-        return rollout.to_batch(packed)
+        batch = rollout.to_batch(packed)
+        if all(len(pair) == 5 for pair in pairs):
+            mask = np.asarray(batch.loss_mask) > 0
+            ref = np.zeros(mask.shape, np.float32)
+            for row, values in enumerate([p[3] for p in pairs] + [p[4] for p in pairs]):
+                ref[row, mask[row]] = values
+            batch = batch.replace(ref_logp=ref)
+        return batch
+
+    def _cache_reference(self, pairs: list[tuple[str, str, str]]) -> list[tuple]:
+        """``pairs``, each with the frozen reference's per-token log-probs of its chosen and
+        of its rejected response appended (``pref.cache_reference``): one reference pass over
+        the data set, through the record's ``prepare``, in batches of ``pref.batch_size`` pairs
+        (the last filled up with pairs from the start, whose values are dropped)."""
+        from jax.experimental import multihost_utils
+
+        t0 = time.perf_counter()
+        size, n = self.cfg.pref.batch_size, len(pairs)
+        out = []
+        for start in range(0, n, size):
+            chunk = [pairs[(start + j) % n] for j in range(size)]
+            batch = self._preference_batch(chunk)
+            prepared, _ = self.prepare(batch)
+            ref = np.asarray(multihost_utils.process_allgather(prepared.ref_logp, tiled=True))
+            mask = np.asarray(batch.loss_mask) > 0
+            for i, pair in enumerate(chunk[: min(size, n - start)]):
+                out.append((*pair[:3], ref[i][mask[i]], ref[i + size][mask[i + size]]))
+        seconds = time.perf_counter() - t0
+        log(f"pref.cache_reference: the reference's log-probs of {n} pairs in {seconds:.1f} s")
+        return out
 
     def preference_step(self) -> dict[str, float]:
         """One offline preference step: next pairs -> prepare (reference log-probs) -> update ->
         sync (the sampler serves held-out evaluation)."""
         if self._pref_iter is None:
             # PromptIterator indexes any items; fast-forward the order on resume.
+            pairs = self._preference_pairs()
+            if self.cfg.pref.cache_reference and self.cfg.rl.algo in preference.REFERENCE_KINDS:
+                pairs = self._cache_reference(pairs)
             self._pref_iter = iterators.PromptIterator(
-                self._preference_pairs(), self.cfg.pref.batch_size, seed=self.cfg.run.seed + 2
+                pairs, self.cfg.pref.batch_size, seed=self.cfg.run.seed + 2
             )
             for _ in range(self.loop.rl_step):
                 self._pref_iter.next_batch()

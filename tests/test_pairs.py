@@ -80,3 +80,79 @@ def test_sft_pairs_dpo_end_to_end(tmp_path):
     assert "eval/accuracy" in last
     # Step 1 of DPO: the policy is its own reference.
     np.testing.assert_allclose(lines[-2]["loss"], np.log(2.0), rtol=1e-4)
+
+
+def _pair_rows(n):
+    """``n`` pairs in the demo task's text (the char tokenizer's alphabet): a correct answer
+    against a wrong one, of different lengths, some rejected responses without the format."""
+    rows = []
+    for i in range(n):
+        a, b = 3 + i, 2 * i % 17
+        wrong = [f" <answer>{a + b + 1}</answer>", f" <answer>{a + b - 1}", " 0", " <answer>"][
+            i % 4
+        ]
+        rows.append(
+            {"prompt": f"{a} + {b} =", "chosen": f" <answer>{a + b}</answer>", "rejected": wrong}
+        )
+    return rows
+
+
+@pytest.mark.slow  # two tiny in-process trainers, about 20-40 s on the 2-core CI machine
+def test_cached_reference_gives_the_same_updates_with_one_reference_pass(tmp_path):
+    """pref.cache_reference: the reference's log-probs are computed once for the data set (one
+    pass, in batches of pref.batch_size through the record's prepare) and the steps' prepare
+    runs no reference forward; the three updates equal those with a reference pass per batch."""
+    import jax
+    from test_train import TINY
+
+    from jaxrlvr import train
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _pair_rows(12)))
+    results = {}
+    for cache in (False, True):
+        cfg = config_lib.load_config(
+            "configs/demo.yaml",
+            [
+                *TINY,
+                f"run.out_dir={tmp_path / str(cache)}",
+                "sft.steps=0",
+                "rl.algo=dpo",
+                "rl.steps=3",
+                "pref.beta=0.5",
+                f"pref.data={data}",
+                "mesh.data=8",  # the 8 fake devices: rows sharded, the cache gathered
+                "pref.batch_size=8",
+                f"pref.cache_reference={str(cache).lower()}",
+                "optim.learning_rate=1e-2",
+            ],
+        )
+        trainer = train.Trainer(cfg)
+        reference_passes = []  # per prepare call: did it run the reference forward?
+        prepare = trainer.compiled.prepare
+
+        def counting_prepare(state, batch, prepare=prepare, seen=reference_passes):
+            seen.append(batch.ref_logp is None)
+            return prepare(state, batch)
+
+        trainer.compiled.prepare = counting_prepare
+        try:
+            metrics = [trainer.preference_step() for _ in range(3)]
+            params = jax.device_get(trainer.state.params)
+        finally:
+            trainer.close()
+        results[cache] = (reference_passes, metrics, params)
+    (per_batch, m0, p0), (cached, m1, p1) = results[False], results[True]
+    assert per_batch == [True, True, True]  # one reference forward per step
+    # One pass over the 12 pairs (2 batches of 8, the last filled up), then none per step.
+    assert cached == [True, True, False, False, False]
+    # Same reference values, so the same losses and updates. Tolerance: the cached values come
+    # from batches of other pairs (other padding length), which changes float32 summation order
+    # in the forward by a few ulp; three Adam steps at lr 1e-2 keep that far below 1e-5.
+    for a, b in zip(m0, m1, strict=True):
+        for key in ("loss", "reward_margin", "chosen_reward", "rejected_reward"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert m0[0]["loss"] == pytest.approx(np.log(2.0), rel=1e-5)
+    assert m0[-1]["reward_margin"] != 0.0
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

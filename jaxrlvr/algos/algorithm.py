@@ -322,9 +322,11 @@ def preference(
     then the P rejected rows in the same order; unpacked).
 
     ``init`` copies the policy as the frozen reference for DPO and IPO (SimPO and ORPO are
-    reference-free). ``prepare`` computes the reference's ``ref_logp`` once per batch, in
-    ``logprob_microbatches`` chunks (default: the update's microbatches), and passes the rows
-    through otherwise.
+    reference-free). ``prepare`` computes the reference's ``ref_logp`` for the batch, in
+    ``logprob_microbatches`` chunks (default: the update's microbatches), unless the batch
+    already carries ``ref_logp``: a reference computed once for the whole data set and cached
+    (the driver's ``pref.cache_reference``; the reference is frozen, so the values are the
+    same) passes through, and no reference forward runs.
     """
     cfg = cfg or preference_lib.PreferenceUpdateConfig()
     tx, schedule = _optimizer(optimizer)
@@ -345,7 +347,7 @@ def preference(
         )
 
     def prepare(state, rollouts):
-        if needs_ref:
+        if needs_ref and rollouts.ref_logp is None:
             rollouts = rollouts.replace(ref_logp=logprob_fn(state.ref_params, rollouts)[0])
         return select_fields(rollouts, update.batch_spec), {}
 
@@ -354,5 +356,7 @@ def preference(
         init=init,
         prepare=prepare,
         update=update,
-        rollout_spec=batch_lib.BatchSpec(num_microbatches=cfg.num_microbatches),
+        rollout_spec=batch_lib.BatchSpec(
+            optional=("ref_logp",) if needs_ref else (), num_microbatches=cfg.num_microbatches
+        ),
     )

@@ -65,12 +65,18 @@ class PreferenceLossConfig:
     label_smoothing: DPO only, the assumed probability that a label is flipped (conservative
         DPO, Mitchell 2023); 0 is plain DPO.
     gamma: SimPO's target reward margin (the paper's gamma, 0.5-1.5).
+    nll_weight: DPO/IPO/SimPO: adds nll_weight times the chosen responses' length-normalised
+        negative log-likelihood, -(1/|y_w|) log pi(y_w|x), to the loss (RPO: Pang et al. 2024,
+        "Iterative Reasoning Preference Optimization", eq. 1, alpha = 1 there; also Liu et al.
+        2024's "RPO"), which keeps the chosen log-probs from falling with the rejected ones.
+        0 is the plain loss. ORPO has this term built in (weight 1).
     """
 
     kind: Kind = "dpo"
     beta: float = 0.1
     label_smoothing: float = 0.0
     gamma: float = 1.0
+    nll_weight: float = 0.0
 
     def __post_init__(self) -> None:
         loss_config.check_literal("kind", self.kind, Kind)
@@ -82,6 +88,10 @@ class PreferenceLossConfig:
             raise ValueError(f"label_smoothing applies to kind='dpo' only, got kind={self.kind!r}")
         if not self.gamma >= 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma!r}")
+        if not self.nll_weight >= 0:
+            raise ValueError(f"nll_weight must be >= 0, got {self.nll_weight!r}")
+        if self.nll_weight and self.kind == "orpo":
+            raise ValueError("nll_weight: kind='orpo' has its own NLL term (weight 1); use beta")
 
     @property
     def needs_reference(self) -> bool:
@@ -338,10 +348,44 @@ def preference_loss(
     ref_rejected_logp_p: jax.Array | None = None,
     denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """The loss ``cfg.kind`` on summed sequence log-probs and lengths (the update's entry point).
+    """The loss ``cfg.kind`` on summed sequence log-probs and lengths (the update's entry point),
+    plus ``cfg.nll_weight`` times the chosen responses' mean per-token NLL (RPO; then the
+    metrics add ``nll``, sum over pairs of -log pi(y_w)/|y_w| divided by ``denominator``).
 
     The reference log-probs are required by DPO and IPO and ignored by SimPO and ORPO.
     """
+    loss, metrics = _kind_loss(
+        chosen_logp_p,
+        rejected_logp_p,
+        chosen_len_p,
+        rejected_len_p,
+        cfg,
+        ref_chosen_logp_p=ref_chosen_logp_p,
+        ref_rejected_logp_p=ref_rejected_logp_p,
+        denominator=denominator,
+    )
+    if cfg.nll_weight:
+        nll_p = -_f(chosen_logp_p) / jnp.maximum(_f(chosen_len_p), 1.0)
+        denom = jnp.asarray(nll_p.shape[0] if denominator is None else denominator, _f32)
+        nll = jnp.sum(nll_p) / denom
+        loss = loss + cfg.nll_weight * nll
+        metrics = {**metrics, "loss": jax.lax.stop_gradient(loss)}
+        metrics["nll"] = jax.lax.stop_gradient(nll)
+    return loss, metrics
+
+
+def _kind_loss(
+    chosen_logp_p: jax.Array,
+    rejected_logp_p: jax.Array,
+    chosen_len_p: jax.Array,
+    rejected_len_p: jax.Array,
+    cfg: PreferenceLossConfig,
+    *,
+    ref_chosen_logp_p: jax.Array | None,
+    ref_rejected_logp_p: jax.Array | None,
+    denominator: jax.Array | float | None,
+) -> tuple[jax.Array, Metrics]:
+    """``preference_loss`` without the NLL term: dispatch on ``cfg.kind``."""
     if cfg.needs_reference and (ref_chosen_logp_p is None or ref_rejected_logp_p is None):
         raise ValueError(f"kind={cfg.kind!r} needs ref_chosen_logp_p and ref_rejected_logp_p")
     if cfg.kind == "dpo":

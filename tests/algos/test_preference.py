@@ -139,6 +139,52 @@ def test_config_is_validated():
         preference.PreferenceLossConfig(kind="ipo", label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo"])
+def test_nll_weight_adds_the_chosen_mean_nll_rpo(kind):
+    """RPO: loss + alpha * mean over pairs of -log pi(y_w) / |y_w| (NumPy), exact over a
+    split into two denominators, and the chosen log-prob's gradient grows by alpha / |y_w| / P
+    while the rejected one's is unchanged."""
+    rng = np.random.default_rng(1)
+    cw, cl = rng.uniform(-30, -1, 6), rng.uniform(-30, -1, 6)
+    rw, rl = cw + rng.normal(size=6), cl + rng.normal(size=6)
+    nw, nl = rng.integers(1, 12, 6).astype(float), rng.integers(1, 12, 6).astype(float)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (cw, cl, nw, nl, rw, rl)]
+
+    def call(alpha, sl=slice(None), denominator=None):
+        cfg = preference.PreferenceLossConfig(kind=kind, beta=0.5, nll_weight=alpha)
+        c, r, a, b, x, y = (v[sl] for v in f32)
+        return preference.preference_loss(
+            c, r, a, b, cfg, ref_chosen_logp_p=x, ref_rejected_logp_p=y, denominator=denominator
+        )
+
+    plain, _ = call(0.0)
+    loss, m = call(2.0)
+    want = np_loss(kind, cw, cl, rw, rl, nw, nl, 0.5)[0] + 2.0 * np.mean(-cw / nw)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    np.testing.assert_allclose(m["loss"], want, rtol=1e-5)
+    np.testing.assert_allclose(m["nll"], np.mean(-cw / nw), rtol=1e-5)
+    halves = call(2.0, slice(0, 3), 6.0)[0] + call(2.0, slice(3, 6), 6.0)[0]
+    np.testing.assert_allclose(halves, loss, rtol=1e-5)
+
+    def grads(alpha):
+        cfg = preference.PreferenceLossConfig(kind=kind, beta=0.5, nll_weight=alpha)
+        fn = lambda c, r: preference.preference_loss(  # noqa: E731
+            c, r, f32[2], f32[3], cfg, ref_chosen_logp_p=f32[4], ref_rejected_logp_p=f32[5]
+        )[0]
+        return jax.grad(fn, argnums=(0, 1))(f32[0], f32[1])
+
+    (g0c, g0r), (g2c, g2r) = grads(0.0), grads(2.0)
+    np.testing.assert_allclose(g2c - g0c, -2.0 / nw / 6, rtol=1e-5)
+    np.testing.assert_allclose(g2r, g0r, rtol=1e-6)
+
+
+def test_nll_weight_is_validated():
+    with pytest.raises(ValueError, match="nll_weight must be >= 0"):
+        preference.PreferenceLossConfig(kind="dpo", nll_weight=-1.0)
+    with pytest.raises(ValueError, match="kind='orpo' has its own NLL"):
+        preference.PreferenceLossConfig(kind="orpo", nll_weight=1.0)
+
+
 def test_orpo_is_finite_at_probability_one():
     z = jnp.zeros(2)
     loss, _ = preference.orpo_loss(z, jnp.asarray([-3.0, -1.0]), z + 2, z + 2, beta=0.1)
