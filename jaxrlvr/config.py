@@ -152,6 +152,11 @@ class SamplerSection:
     vllm_extra_args: tuple[str, ...] = ()
     vllm_colocate: bool = False
     vllm_trainer_memory_fraction: float | None = None
+    # The JAX sampler's own devices: the last ``jax_devices`` of the host run the sampler (a
+    # sub-mesh of their own, fsdp over them), the trainer's mesh takes the rest; weights are
+    # copied across after each update. 0: the sampler runs on the trainer's mesh. With
+    # ``rl.max_staleness`` > 0 this lets sampling and training run at the same time.
+    jax_devices: int = 0
 
     def __post_init__(self):
         from jaxrlvr import placement
@@ -165,6 +170,8 @@ class SamplerSection:
         )
         loss_config.check_literal("sampler.vllm_device", self.vllm_device, VLLMDevice)
         loss_config.check_literal("sampler.vllm_dtype", self.vllm_dtype, VLLMDType)
+        if self.jax_devices < 0:
+            raise ValueError(f"sampler.jax_devices={self.jax_devices}: must be >= 0")
         if self.vllm_num_servers < 1:
             raise ValueError(f"sampler.vllm_num_servers={self.vllm_num_servers}: must be >= 1")
         gpus = list(self.vllm_gpus)
@@ -225,6 +232,14 @@ class RLSection:
     (default: the length bucket of the step's longest rollout), the row count rounded up to a
     bucket that ``microbatches`` x the mesh's batch shards divides (``rollout.row_bucket``).
     Off: one rollout per row, right-padded to the length bucket.
+
+    ``max_staleness`` (k): asynchronous rollouts (``jaxrlvr.async_rollouts``; docs/async.md).
+    0 is the synchronous loop. With k > 0 the batch of step t + k is generated while step t
+    updates, by the weights of version t (the policy after t updates), so every batch from step
+    k on is exactly k versions old (step t < k: t versions). ``off_policy_correction``: with
+    k > 0 and ``loss.tis`` "none", token-level truncated importance sampling against the
+    sampler's log-probs (``loss.tis_cap``) is used; set ``loss.tis`` to choose the level, or
+    this to false to train without a correction.
     """
 
     # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
@@ -258,15 +273,31 @@ class RLSection:
     mask_forced_tokens: bool = True
     packing: bool = True
     max_tokens_per_row: int | None = None
+    max_staleness: int = 0
+    off_policy_correction: bool = True
 
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
+    @property
+    def policy_loss(self) -> loss_config.PolicyLossConfig:
+        """``loss`` as the update applies it: truncated IS switched on for stale rollouts."""
+        if self.max_staleness > 0 and self.off_policy_correction and self.loss.tis == "none":
+            return dataclasses.replace(self.loss, tis="token")
+        return self.loss
+
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
             if getattr(self, key) < (0 if key == "steps" else 1):
                 raise ValueError(f"{key}={getattr(self, key)!r} must be positive")
+        if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
+            raise ValueError(f"rl.max_staleness={self.max_staleness!r}: expected an int >= 0")
+        if self.max_staleness > 0 and self.algo not in ("grpo", "ppo", "expert_iteration"):
+            raise ValueError(
+                f"rl.max_staleness={self.max_staleness}: asynchronous rollouts need an online "
+                f"algorithm (grpo, ppo, expert_iteration), not rl.algo={self.algo!r}"
+            )
         if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
             raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
         if self.algo == "grpo" and self.group_size < 2:

@@ -19,7 +19,11 @@ every checkpoint holds the train state, the data position and the loop counters,
 at any point and resumed with ``--resume`` ends with the same parameters as one never killed.
 SIGTERM (a scheduler's preemption) saves a checkpoint between steps and ends the run cleanly.
 
-Left out on purpose: asynchronous (off-policy) rollouts; sampling and training alternate.
+With ``rl.max_staleness`` = k > 0 the rollouts are asynchronous (``async_rollouts``): step
+t + k's batch is generated, on a background thread, while step t grades and updates; the trainer
+waits for it before the weight sync. Each batch's version lag (from the versions the sampler
+stamps on its completions) is checked against k and logged, and the generated but untrained
+batches are saved with every checkpoint. k = 0 is the synchronous loop, unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Any
 
@@ -39,9 +44,9 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from jaxrlvr import async_rollouts, configlib, interrupt, placement, preflight, rollout
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, interrupt, placement, preflight, rollout
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
@@ -186,6 +191,9 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     if cfg.sampler.kind == "jax":
         from jaxrlvr.sampling import jax_sampler
 
+        own = device_split(cfg)[1]
+        if own is not None:  # a sub-mesh of its own; update_weights copies the weights over
+            mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1), own)
         return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
@@ -241,6 +249,22 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     )
 
 
+def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
+    """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
+    (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
+    both use every device."""
+    s = cfg.sampler
+    if s.kind != "jax" or s.jax_devices == 0:
+        return None, None
+    devices = jax.devices()
+    if s.jax_devices >= len(devices):
+        raise configlib.ConfigKeyError(
+            f"sampler.jax_devices={s.jax_devices}: the host has {len(devices)} devices, and the "
+            "trainer needs at least one"
+        )
+    return devices[: -s.jax_devices], devices[-s.jax_devices :]
+
+
 def make_algorithm(
     cfg: config_lib.TrainConfig,
     phase: str,
@@ -258,14 +282,21 @@ def make_algorithm(
     rl = cfg.rl
     if rl.algo == "grpo":
         grpo_cfg = updates.GRPOUpdateConfig(
-            loss=rl.loss, num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+            loss=rl.policy_loss,
+            num_microbatches=rl.microbatches,
+            logprob_chunk_size=rl.logprob_chunk_size,
         )
         return algorithm_lib.grpo(
-            graphdef, cfg.optim, grpo_cfg, mesh=mesh, epochs_per_batch=rl.epochs_per_step
+            graphdef,
+            cfg.optim,
+            grpo_cfg,
+            mesh=mesh,
+            epochs_per_batch=rl.epochs_per_step,
+            rollouts_may_be_stale=rl.max_staleness > 0,
         )
     if rl.algo == "ppo":
         ppo_cfg = updates.PPOUpdateConfig(
-            loss=rl.loss,
+            loss=rl.policy_loss,
             num_microbatches=rl.microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,
             **dataclasses.asdict(rl.ppo),
@@ -407,6 +438,8 @@ class LoopState:
     data: dict | None = None
     eval_history: list = dataclasses.field(default_factory=list)
     eval_after_sft: dict | None = None
+    # rl.max_staleness > 0: the batches generated for the steps after this one (RolloutProducer).
+    rollouts: dict | None = None
 
 
 class Trainer:
@@ -422,7 +455,7 @@ class Trainer:
         self.placement = placement.place_trainer(cfg.sampler)
         distributed.initialize(cfg.distributed)
         placement.check_jax_devices(self.placement)
-        self.mesh = model_lib.make_mesh(cfg.mesh)
+        self.mesh = model_lib.make_mesh(cfg.mesh, device_split(cfg)[0])
         check_microbatches_fit_mesh(cfg, self.mesh)
         self.tokenizer = build_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -450,6 +483,12 @@ class Trainer:
         self.iterator = self._make_iterator()
         if self.loop.data is not None:
             self.iterator.load_state_dict(self.loop.data)
+        self.producer = None
+        if cfg.rl.max_staleness > 0:
+            self.producer = async_rollouts.RolloutProducer(self._rollout_job, cfg.rl.max_staleness)
+            if self.loop.rollouts is not None:
+                self.producer.load_state_dict(self.loop.rollouts)
+        self._grade_lock = threading.Lock()  # the grading pool serves one call at a time
         self._sampler = None
         self._pref_iter = None  # the preference phase's pair order (``preference_step``)
         self._last_accuracy = None
@@ -500,6 +539,8 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self) -> None:
+        if self.producer is not None:  # first: the batch in flight finishes and is saved too
+            self.loop.rollouts = self.producer.state_dict()
         self.loop.data = self.iterator.state_dict()
         extra = {
             "loop": dataclasses.asdict(self.loop),
@@ -634,15 +675,27 @@ class Trainer:
 
     def _grade(self, problems, completions, n):
         truths = [p.answer for p in problems for _ in range(n)]
-        return self.pool.grade(self.reward_fn, [c.text for c in completions], truths)
+        with self._grade_lock:
+            return self.pool.grade(self.reward_fn, [c.text for c in completions], truths)
 
-    def sample(self, step_seed: int):
+    def draw(self) -> list[loading.Problem]:
+        """The next step's problems from the data order (twice as many candidates with the
+        difficulty filter)."""
+        problems = self.iterator.next_batch()
+        if self.cfg.rl.difficulty_filter:
+            problems = problems + self.iterator.next_batch()
+        return problems
+
+    def step_seed(self, rl_step: int) -> int:
+        return self.cfg.run.seed * 1_000_003 + rl_step
+
+    def sample(self, step_seed: int, drawn: list[loading.Problem] | None = None):
         """The step's prompts and their completions (with the difficulty filter: keep the prompts
-        the policy solves sometimes)."""
+        the policy solves sometimes); ``drawn``: the problems ``draw`` returned (default: draw)."""
         rl = self.cfg.rl
-        problems, m = self.iterator.next_batch(), {}
+        problems, m = (self.draw() if drawn is None else drawn), {}
         if rl.difficulty_filter:
-            candidates = problems + self.iterator.next_batch()
+            candidates = problems
             k = rl.difficulty_filter_k
             _, comps = self._generate(candidates, k, step_seed + 104729)
             scores, _ = self._grade(candidates, comps, k)
@@ -653,6 +706,18 @@ class Trainer:
             m["filter/informative_fraction"] = len(informative) / len(candidates)
         prompts, completions = self._generate(problems, rl.group_size, step_seed)
         return problems, prompts, completions, m
+
+    def _rollout_job(self, rl_step: int):
+        """The producer's work for ``rl_step``: the problems are drawn now (on the trainer's
+        thread, in step order), the sampling runs when the returned job is called."""
+        drawn = self.draw()
+        seed = self.step_seed(rl_step)
+
+        def job() -> async_rollouts.Rollouts:
+            problems, prompts, completions, m = self.sample(seed, drawn)
+            return async_rollouts.Rollouts(rl_step, problems, prompts, completions, m)
+
+        return job
 
     def grade(self, problems, completions):
         scores, stats = self._grade(problems, completions, self.cfg.rl.group_size)
@@ -689,9 +754,29 @@ class Trainer:
 
     def rl_step(self) -> dict[str, float]:
         timer = metrics_lib.PhaseTimer()
-        step_seed = self.cfg.run.seed * 1_000_003 + self.loop.rl_step
-        with timer.phase("sample"):
-            problems, prompts, completions, filter_m = self.sample(step_seed)
+        t, k = self.loop.rl_step, self.cfg.rl.max_staleness
+        async_m: dict[str, float] = {}
+        if k == 0:
+            with timer.phase("sample"):
+                problems, prompts, completions, filter_m = self.sample(self.step_seed(t))
+        else:
+            # async_rollouts: generate step t + k (weights of version t) while this step trains.
+            with timer.phase("sample"):  # only the first k steps of a run generate here
+                self.producer.fill(t, self.cfg.rl.steps)
+            if t + k < self.cfg.rl.steps:
+                self.producer.submit(t + k)
+            ro = self.producer.pop(t)
+            problems, prompts, completions, filter_m = (
+                ro.problems,
+                ro.prompts,
+                ro.completions,
+                ro.metrics,
+            )
+            async_m = {
+                "async/staleness": float(async_rollouts.check_lag(ro, t, k)),
+                "async/rollout_version": float(ro.version),
+                "time/generate_s": ro.generate_s,
+            }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
         rollouts, out = self.shape(prompts, completions, scores)
@@ -700,6 +785,11 @@ class Trainer:
         with timer.phase("update"):
             update_m = self.update(batch)
             update_m, prepare_m = jax.device_get((update_m, prepare_m))
+        if k:
+            # The one place the trainer waits for rollouts: step t + k's batch must be finished by
+            # version t before the sampler moves to version t + 1.
+            with timer.phase("wait_rollouts"):
+                self.producer.wait()
         with timer.phase("sync"):
             sync = self.sync()
         self.loop.rl_step += 1
@@ -715,8 +805,9 @@ class Trainer:
         out.update({f"sync/{k}": float(v) for k, v in (sync or {}).items()})
         seconds = timer.seconds
         out.update(timer.collect())
+        out.update(async_m)
         out["throughput/sample_tokens_per_s"] = out["tokens/response"] / max(
-            seconds.get("sample", 0.0), 1e-9
+            async_m.get("time/generate_s", seconds.get("sample", 0.0)), 1e-9
         )
         out["throughput/update_tokens_per_s"] = (
             out.pop("tokens/attended") * self.cfg.rl.epochs_per_step
@@ -844,7 +935,8 @@ class Trainer:
                 self.loop.eval_after_sft = self._evaluate()
                 self._log(0, self.loop.eval_after_sft)
             if cfg.rl.algo != "none" and not stop.requested:
-                self.sampler.update_weights(self.state.params)
+                # Version = updates applied so far: the versions the completions carry.
+                self.sampler.update_weights(self.state.params, version=self.loop.rl_step)
                 offline = cfg.rl.algo in config_lib.PREFERENCE_ALGOS
                 step = self.preference_step if offline else self.rl_step
                 while self.loop.rl_step < cfg.rl.steps:
@@ -887,6 +979,9 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if getattr(self, "producer", None) is not None:
+            with contextlib.suppress(Exception):
+                self.producer.close()
         if self._sampler is not None:
             with contextlib.suppress(Exception):
                 self._sampler.close()

@@ -19,6 +19,9 @@ Contract shared by every sampler:
   policy-gradient loss (they are not actions of the policy).
 - `update_weights(weights, version=...)` moves the sampler to the trainer's new weights (the Flax
   NNX `State` of `nnx.Param`, as `nnx.state(model, nnx.Param)`) and returns timings in seconds.
+  Every completion carries the version of the weights that generated all of its tokens
+  (`Completion.weight_version`): a generation in flight when new weights arrive finishes on the
+  weights it started with, and one that has not started yet runs on the new ones.
 
 Left out on purpose: batching, bucketing and transport, which belong to each implementation.
 """
@@ -125,6 +128,9 @@ class Completion:
       finish_reason: "stop" (EOS, stop id or stop string) or "length" (max_tokens reached).
       forced: per token, True where the sampler appended the token instead of sampling it
         (thinking-budget early exit); None when no token was forced.
+      weight_version: the sampler's weight version that produced every token (the ``version``
+        of the `update_weights` call before it: the JaxSampler's own counter, the vLLM server's
+        ``update_weight_version``); None when the sampler has no version yet.
     """
 
     prompt_index: int
@@ -133,6 +139,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     forced: list[bool] | None = None
+    weight_version: int | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -286,4 +293,5 @@ def _join(
         text=head.text + forced_text + (tail.text if tail is not None else ""),
         finish_reason=tail.finish_reason if tail is not None else "length",
         forced=[False] * len(head.token_ids) + [True] * len(forced_ids) + [False] * len(tail_ids),
+        weight_version=head.weight_version,
     )

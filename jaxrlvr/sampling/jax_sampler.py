@@ -278,8 +278,7 @@ class JaxSampler:
         abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0), mesh=mesh))
         self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._treedef = jax.tree.structure(abstract_params)
-        self._params = None
-        self.version: int | None = None
+        self._live: tuple[Any, int | None] | None = None  # (params, version), swapped as one
         self._seed_counter = 0
         self.update_weights(nnx.state(model, nnx.Param))
 
@@ -297,12 +296,17 @@ class JaxSampler:
             )
         if self.mesh is not None:
             weights = jax.device_put(weights, M.param_shardings(weights, self.mesh))
-        self._params = weights
-        self.version = version
+        # One assignment: a generation starting in another thread sees both or neither.
+        self._live = (weights, version)
         return {"update_s": time.perf_counter() - start}
 
+    @property
+    def version(self) -> int | None:
+        """The weight version the next generation runs on (`update_weights`'s ``version``)."""
+        return None if self._live is None else self._live[1]
+
     def close(self) -> None:
-        self._params = None
+        self._live = None
 
     def generate(
         self,
@@ -311,7 +315,7 @@ class JaxSampler:
         sampling_params: base.SamplingParams,
     ) -> list[base.Completion]:
         """`n` completions per prompt, flat and prompt-major (see `base.Sampler`)."""
-        if self._params is None:
+        if self._live is None:
             raise RuntimeError("JaxSampler is closed")
         if not (isinstance(n, int) and n >= 1):
             raise ValueError(f"n must be an int >= 1, got {n!r}")
@@ -338,7 +342,8 @@ class JaxSampler:
     ) -> list[base.Completion]:
         """`generate` without a thinking budget, on validated prompts."""
         rows = [p for p in prompts for _ in range(n)]
-        tokens, logps, lengths, stopped = self._run(rows, sampling_params)
+        weights, version = self._live  # one snapshot: these weights generate every row
+        tokens, logps, lengths, stopped = self._run(weights, rows, sampling_params)
         stops = sampling_params.stop
         out = []
         for r in range(len(rows)):
@@ -352,7 +357,12 @@ class JaxSampler:
                 reason = "stop" if hit else reason
             out.append(
                 base.Completion(
-                    prompt_index=r // n, token_ids=ids, logprobs=lp, text=text, finish_reason=reason
+                    prompt_index=r // n,
+                    token_ids=ids,
+                    logprobs=lp,
+                    text=text,
+                    finish_reason=reason,
+                    weight_version=version,
                 )
             )
         base.check_prompt_major(out, len(prompts), n)
@@ -365,7 +375,7 @@ class JaxSampler:
             return 1
         return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
-    def _run(self, rows: list[list[int]], params: base.SamplingParams):
+    def _run(self, weights, rows: list[list[int]], params: base.SamplingParams):
         """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy)."""
         b = bucket(len(rows), self.batch_buckets, multiple_of=self.batch_multiple)
         p = bucket(max(len(r) for r in rows), self.prompt_buckets)
@@ -401,7 +411,7 @@ class JaxSampler:
         )
         inputs = self._place(inputs)
         outs = _generate_jit(
-            self._params, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
+            weights, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
         )
         return jax.device_get(outs)
 

@@ -23,6 +23,15 @@ weight-transfer routes (``/init_weight_transfer_engine``, ``/start_weight_update
 ``/update_weights``, ``/finish_weight_update``, server started with ``--weight-transfer-config``),
 would sit behind the same method (`weight_transfer="nccl"`); it is not implemented on CPU.
 
+Weight versions and in-flight requests: every completion carries the version of the weights
+that generated it (``Completion.weight_version``). A version gate in this client makes that exact:
+each HTTP request holds the gate (shared) from the moment it reads the version until its response
+arrives, and `update_weights` takes it exclusively for the pause/reload/resume, after the export.
+So a request already in flight when an update starts is neither dropped nor repeated: it finishes
+on the OLD weights (the update waits for it, as ``/pause?mode=wait`` does on the server side), and
+a request that has not been sent yet waits for the update and runs on the NEW weights. The update
+reports the time it waited for in-flight requests as ``wait_inflight_s``.
+
 Dead servers: if a server that jaxrlvr started (a `VLLMServer`) dies, it is restarted on the
 latest exported weights and the failed requests are retried; with ``restart_dead_servers=False``
 the call raises a one-line error instead.
@@ -34,6 +43,7 @@ should mask them out of the loss.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -66,6 +76,48 @@ class _Target:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
+class VersionGate:
+    """A writer-preferring shared/exclusive lock: generation requests share it, a weight update
+    holds it alone. Once an update waits for it, new requests wait behind the update (so a
+    stream of requests cannot starve it)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._exclusive or self._writers_waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Yields the seconds spent waiting for the shared holders to finish."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._writers_waiting += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._exclusive = True
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
 def completion_request(
     model: str, prompt: Sequence[int], n: int, params: base.SamplingParams, seed: int | None
 ) -> dict[str, Any]:
@@ -94,9 +146,14 @@ def completion_request(
 
 
 def parse_completion_response(
-    body: Mapping[str, Any], prompt_index: int, n: int, want_logprobs: bool
+    body: Mapping[str, Any],
+    prompt_index: int,
+    n: int,
+    want_logprobs: bool,
+    weight_version: int | None = None,
 ) -> list[base.Completion]:
-    """Turns one ``/v1/completions`` response for a single prompt into `n` completions.
+    """Turns one ``/v1/completions`` response for a single prompt into `n` completions, each
+    stamped with ``weight_version`` (the server's weights while the request ran).
 
     Raises:
       _Retryable: when vLLM aborted a choice (e.g. a pause in abort mode).
@@ -131,6 +188,7 @@ def parse_completion_response(
                 logprobs=logprobs,
                 text=c.get("text", ""),
                 finish_reason=reason,
+                weight_version=weight_version,
             )
         )
     return out
@@ -210,6 +268,7 @@ class VLLMSampler:
         self.export_dir = os.fspath(export_dir) if export_dir is not None else None
         self._exported = False
         self.version = 0
+        self._gate = VersionGate()
         self._rr = 0
         self._client = httpx.Client(
             timeout=timeout_s,
@@ -217,6 +276,11 @@ class VLLMSampler:
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix="vllm-sampler"
+        )
+        # Weight sync fans out on threads of its own: generation threads queued at the version
+        # gate may fill ``_pool`` while an update holds the gate.
+        self._sync_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(self._targets), thread_name_prefix="vllm-sync"
         )
         self.model_names = [self._check_target(t) for t in self._targets]
 
@@ -324,7 +388,11 @@ class VLLMSampler:
             t, model = self._targets[k], self.model_names[k]
             body = completion_request(model, prompt, n, params, seed)
             try:
-                r = self._client.post(t.url + "/v1/completions", json=body)
+                # The gate is held from reading the version to the response: no weight update
+                # can happen in between (class docstring).
+                with self._gate.shared():
+                    version = self.version
+                    r = self._client.post(t.url + "/v1/completions", json=body)
                 if r.status_code >= 500:
                     raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
                 if r.status_code != 200:
@@ -332,7 +400,9 @@ class VLLMSampler:
                         f"vLLM server at {t.url} rejected a completion request: "
                         f"HTTP {r.status_code}: {r.text[:500]}"
                     )
-                return parse_completion_response(r.json(), prompt_index, n, params.logprobs)
+                return parse_completion_response(
+                    r.json(), prompt_index, n, params.logprobs, weight_version=version
+                )
             except (httpx.TransportError, _Retryable) as e:
                 last = e
                 self._recover(t)
@@ -368,7 +438,7 @@ class VLLMSampler:
                     f"{t.server.log_path}"
                 )
             t.server.restart(self.export_dir if self._exported else None)
-            if self.version:
+            if self._exported:
                 self._post(t, "/update_weight_version", json={"new_version": str(self.version)})
 
     # ---------------------------------------------------------------- weight sync
@@ -382,36 +452,30 @@ class VLLMSampler:
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
         """Exports `weights` and makes every server serve them; returns timings in seconds.
 
-        Keys: export_s, pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for each
-        part) and total_s. Pausing overlaps the export, so total_s can be less than the sum.
-        Raises `VLLMError` if a server fails or does not report the new version; a server whose
-        reload failed stays paused, so that no rollout comes from half-loaded weights.
+        Keys: export_s, wait_inflight_s (waiting for this client's in-flight requests to finish
+        on the old weights), pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for
+        each part) and total_s. The export runs while in-flight requests finish. Raises
+        `VLLMError` if a server fails or does not report the new version; a server whose reload
+        failed stays paused, so that no rollout comes from half-loaded weights.
         """
         version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
         if self.export_dir is None:
             self.export_dir = weight_export.default_export_dir()
-        # Pausing waits for in-flight requests to finish: let it happen while the export runs.
-        pauses = [self._pool.submit(self._pause_one, t) for t in self._targets]
-        try:
-            timings = weight_export.export_weights(
-                self.cfg, weights, self.export_dir, dtype=self.export_dtype
-            )
-        except BaseException:
-            concurrent.futures.wait(pauses)
-            for t in self._targets:  # best effort: keep serving the old weights
-                try:
-                    self._post(t, "/resume")
-                except (httpx.HTTPError, VLLMError):
-                    pass
-            raise
-        self._exported = True
-        paused = [f.result() for f in pauses]
-        parts = list(
-            self._pool.map(lambda tp: self._reload_one(*tp, version), zip(self._targets, paused))
+        timings = weight_export.export_weights(
+            self.cfg, weights, self.export_dir, dtype=self.export_dtype
         )
-        self.version = version
-        out = {"export_s": timings["export_s"]}
+        self._exported = True
+        with self._gate.exclusive() as waited:
+            # Server side, pausing waits for requests of other clients too.
+            paused = list(self._sync_pool.map(self._pause_one, self._targets))
+            parts = list(
+                self._sync_pool.map(
+                    lambda tp: self._reload_one(*tp, version), zip(self._targets, paused)
+                )
+            )
+            self.version = version
+        out = {"export_s": timings["export_s"], "wait_inflight_s": waited}
         for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):
             out[key] = max(p[key] for p in parts)
         out["total_s"] = time.perf_counter() - t0
@@ -508,6 +572,7 @@ class VLLMSampler:
         Servers passed in are left running: their owner stops them.
         """
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sync_pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
         if self._own_export_dir and self.export_dir and os.path.isdir(self.export_dir):
             shutil.rmtree(self.export_dir, ignore_errors=True)
