@@ -30,7 +30,21 @@ warm_start() {
 }
 
 for name in $EXPERIMENTS; do
-  if [ "$name" = r1_zero ]; then warm_start r1_zero_sft r1_zero_sft; else warm_start sft scratchpad_sft; fi
+  warm_start sft scratchpad_sft
+  if [ "$name" = r1_zero ]; then
+    # The R1-Zero prompt is ~330 tokens: the question-only warm start with its position limit
+    # raised to 512 (RoPE: config.json only), then 60 SFT steps on the R1-Zero template.
+    if [ ! -f "$R/sft_hf_512/config.json" ]; then
+      rm -rf "$R/sft_hf_512" && cp -r "$R/sft_hf" "$R/sft_hf_512"
+      "$PY" - "$R/sft_hf_512/config.json" <<'PYEOF'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg["max_position_embeddings"] = 512
+json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+PYEOF
+    fi
+    warm_start r1_zero_sft r1_zero_sft
+  fi
   for seed in $SEEDS; do
     out="$R/$name"; [ "$seed" = 0 ] || out="${out}_s$seed"
     train "$name" run.seed="$seed" run.out_dir="$out" "$@"
