@@ -334,11 +334,18 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint in {self.directory} restores: {'; '.join(failures)}")
 
     def read_arrays(self, step: int | None = None) -> dict[str, Any]:
-        """The saved state as nested dicts of host arrays, with no target shardings: for
-        inspection and tests on one host. Training resumes with :meth:`restore`."""
+        """The saved state as nested dicts of host arrays: for inspection and tests on one host,
+        whatever mesh and processes saved it (every array is read onto this process's first
+        device, shapes from the checkpoint's metadata). Training resumes with :meth:`restore`."""
         step, _ = self.restore_extra(step)
+        with ocp.StandardCheckpointer() as reader:
+            meta = reader.metadata(os.path.join(self.directory, str(step), _STATE)).item_metadata
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta
+        )
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore()})
+            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
         )
         return jax.tree.map(np.asarray, restored[_STATE])
 

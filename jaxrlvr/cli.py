@@ -10,11 +10,12 @@ export check what they will read (``preflight``) before building anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
 
-BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards", "memory")
+BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards", "memory", "loop")
 
 
 def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
@@ -26,6 +27,27 @@ def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="start over in an out_dir that holds a run (its files move to out_dir/previous-*)",
+    )
+    multi = p.add_argument_group(
+        "multi-process (one JAX process per host; docs/multihost.md)",
+        "each flag falls back to its env var; --num-processes 1 or none of them: one process",
+    )
+    multi.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address (env JAXRLVR_COORDINATOR)"
+    )
+    multi.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        help="processes in the job (JAXRLVR_NUM_PROCESSES)",
+    )
+    multi.add_argument(
+        "--process-id", type=int, metavar="I", help="this process, 0..N-1 (JAXRLVR_PROCESS_ID)"
+    )
+    multi.add_argument(
+        "--distributed-auto",
+        action="store_true",
+        help="JAX detects the cluster: SLURM, MPI, Kubernetes, TPU (JAXRLVR_DISTRIBUTED=auto)",
     )
     return p
 
@@ -40,6 +62,18 @@ def _cmd_train(argv, *, sft_only=False):
     if sft_only:
         overrides.append("rl.algo=none")
     cfg = config_lib.load_config(args.config, overrides)
+    from jaxrlvr import distributed
+
+    cfg = dataclasses.replace(
+        cfg,
+        distributed=distributed.from_flags(
+            cfg.distributed,
+            coordinator=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            auto=args.distributed_auto,
+        ),
+    )
     summary = train.run(cfg, resume=args.resume, overwrite=args.overwrite)
     return 0 if summary is not None else 1
 

@@ -75,7 +75,10 @@ class DataSection:
     dataset name; the generated tasks' sizes are ``synthetic_train_size`` and
     ``synthetic_eval_size``. ``template``: the prompt template. ``gold_format``: the completion an
     SFT warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer and
-    ``{solution}`` by its worked solution (``Problem.solution``).
+    ``{solution}`` by its worked solution (``Problem.solution``). ``shards``: the training items
+    are split by the seed into this many data shards, each process reading only its own
+    (``data.shards``; None: one per process row block, i.e. the process count when the batch
+    axes span the processes); a step takes ``rl.prompts_per_step / shards`` prompts from each.
     """
 
     train: str = "synthetic"
@@ -92,6 +95,11 @@ class DataSection:
     synthetic_train_size: int = 2000
     synthetic_eval_size: int = 200
     gold_format: str = " <answer>{answer}</answer>"
+    shards: int | None = None
+
+    def __post_init__(self):
+        if self.shards is not None and self.shards < 1:
+            raise ValueError(f"data.shards must be an integer >= 1 or null, got {self.shards!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from jaxrlvr import async_rollouts, configlib, interrupt, placement, preflight, rollout
+from jaxrlvr import async_rollouts, configlib, distributed, interrupt, placement, preflight, rollout
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
@@ -52,7 +52,7 @@ from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import loss_config, preference, updates
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import iterators, loading, scratchpad, synthetic, templates
+from jaxrlvr.data import iterators, loading, scratchpad, shards, synthetic, templates
 from jaxrlvr.data import tokenizer as tokenizer_lib
 from jaxrlvr.rewards import grading, verifiers
 from jaxrlvr.sampling import base as sampling_base
@@ -200,9 +200,13 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     s = cfg.sampler
     plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
     if s.vllm_urls:
-        return vllm_sampler.VLLMSampler(
+        shared = vllm_sampler.VLLMSampler(
             model.config, list(s.vllm_urls), tokenizer, export_dtype=plan.dtype
         )
+        # Given URLs are the job's one server group: process 0 pushes the weights.
+        if jax.process_count() > 1:
+            return distributed.ProcessSyncedSampler(shared, shared=True)
+        return shared
     # Start our own servers on the current weights (one per GPU group of the placement); a server
     # that dies is restarted on the latest weights. The model directory, which every step's
     # export then overwrites, lives on tmpfs (/dev/shm) when there is one: a memory copy.
@@ -239,7 +243,7 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
         for gpus, log_path in zip(groups, logs)
     ]
     vllm_server.start_servers(servers)
-    return vllm_sampler.VLLMSampler(
+    sampler = vllm_sampler.VLLMSampler(
         model.config,
         servers,
         tokenizer,
@@ -247,6 +251,11 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
         export_dir=model_dir,
         export_dtype=plan.dtype,
     )
+    # Started servers belong to this process (one server group per host): each process pushes
+    # the gathered weights to its own.
+    if jax.process_count() > 1:
+        return distributed.ProcessSyncedSampler(sampler, shared=False)
+    return sampler
 
 
 def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
@@ -389,6 +398,41 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
         )
 
 
+def _nan_to_none(x):
+    """``x`` (nested dicts/lists) with NaN floats as None: JSON-safe checkpoint side-cars."""
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_nan_to_none(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
+
+
+def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
+    """(the run's number of data shards, the shards this process reads): ``data.shards``, by
+    default one per process row block (``step.process_row_block``); one-line config errors when
+    the shards do not divide the blocks or the per-step batches."""
+    block, blocks = step_lib.process_row_block(mesh)
+    n = cfg.data.shards or blocks
+    rl, sft = cfg.rl, cfg.sft
+    if n % blocks:
+        raise configlib.ConfigKeyError(
+            f"data.shards={n} does not split over the {blocks} process row blocks of this job"
+        )
+    if jax.process_count() > 1 and rl.algo in config_lib.PREFERENCE_ALGOS:
+        raise configlib.ConfigKeyError(
+            f"rl.algo={rl.algo}: the offline preference phase runs in one process only"
+        )
+    if rl.algo != "none" and rl.steps > 0 and rl.prompts_per_step % n:
+        raise configlib.ConfigKeyError(
+            f"rl.prompts_per_step={rl.prompts_per_step} is not a multiple of the {n} data shards"
+        )
+    if sft.steps > 0 and sft.batch_size % n:
+        raise configlib.ConfigKeyError(
+            f"sft.batch_size={sft.batch_size} is not a multiple of the {n} data shards"
+        )
+    return n, shards.owned(n, block, blocks)
+
+
 def abstract_state(algorithm, params_shape, mesh, rng=0):
     """The abstract ``TrainState`` of ``algorithm.init`` with its target shardings."""
     shape = jax.eval_shape(lambda p: algorithm.init(p, rng), params_shape)
@@ -400,17 +444,35 @@ def abstract_state(algorithm, params_shape, mesh, rng=0):
 # Evaluation
 
 
-def evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn) -> dict[str, float]:
+def evaluate(
+    cfg, sampler, tokenizer, problems, pool, reward_fn, *, block=(0, 1)
+) -> dict[str, float]:
+    """Held-out metrics of the first ``eval.max_problems`` problems. In a multi-process job
+    (``block``: this process's row block of ``step.process_row_block``) each process samples and
+    grades its contiguous share and the metrics are reduced over the processes."""
     problems = problems[: cfg.eval.max_problems]
     if not problems:
         return {}
+    first = 0
+    if block[1] > 1:
+        first = len(problems) * block[0] // block[1]
+        problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
     n = cfg.eval.samples_per_problem
     prompts = [encode(tokenizer, render(cfg, p, tokenizer)) for p in problems]
-    params = sampling_params(cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919)
+    # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
+    # runs one program over all processes' rows, with one seed).
+    offset = first if cfg.sampler.kind != "jax" else 0
+    params = sampling_params(cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919 + offset)
     completions = sampler.generate(prompts, n, params)
     truths = [p.answer for p in problems for _ in range(n)]
     scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)
     lengths = [len(c.token_ids) for c in completions]
+    if block[1] > 1:  # every share's per-completion values, one share per block, in order
+        keys = ("answer_reward", "format_reward", "reward")
+        mine = [block[0], [[s[k] for k in keys] for s in scores], lengths]
+        parts = {b: (rows, lens) for b, rows, lens in distributed.allgather_json(mine)}
+        scores = [dict(zip(keys, row)) for b in sorted(parts) for row in parts[b][0]]
+        lengths = [x for b in sorted(parts) for x in parts[b][1]]
     return {
         "eval/accuracy": float(np.mean([s["answer_reward"] for s in scores])),
         "eval/format_rate": float(np.mean([s["format_reward"] for s in scores])),
@@ -419,7 +481,7 @@ def evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn) -> dict[str, fl
         **metrics_lib.length_by_outcome(
             lengths, [s["answer_reward"] for s in scores], prefix="eval/"
         ),
-        "eval/n": len(problems),
+        "eval/n": len(scores) // n,
         "eval/samples_per_problem": n,
     }
 
@@ -449,8 +511,6 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        from jaxrlvr import distributed
-
         # GPUs for the vLLM servers and for JAX, set before JAX's backend starts (placement).
         self.placement = placement.place_trainer(cfg.sampler)
         distributed.initialize(cfg.distributed)
@@ -464,6 +524,12 @@ class Trainer:
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.params_shape = jax.eval_shape(lambda p: p, params)
         self.train_problems, self.eval_problems = load_splits(cfg)
+        # Multi-process: this process keeps only the training rows of its data shards.
+        self.row_block = step_lib.process_row_block(self.mesh)
+        self.num_shards, owned = data_shards(cfg, self.mesh)
+        split = shards.split(self.train_problems, self.num_shards, cfg.run.seed)
+        self.train_shards = {i: split[i] for i in owned}
+        self.train_problems = [p for i in owned for p in split[i]]
         self.reward_fn = verifiers.make_reward_fn(
             verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
         )
@@ -535,7 +601,15 @@ class Trainer:
     def _make_iterator(self):
         cfg = self.cfg
         cls = iterators.CurriculumPromptIterator if cfg.rl.curriculum else iterators.PromptIterator
-        return cls(self.train_problems, cfg.rl.prompts_per_step, seed=cfg.run.seed)
+        if self.num_shards == 1:
+            return cls(self.train_problems, cfg.rl.prompts_per_step, seed=cfg.run.seed)
+        per_shard = cfg.rl.prompts_per_step // self.num_shards
+        return shards.ShardedIterator(
+            self.train_shards,
+            lambda items, seed: cls(items, per_shard, seed=seed),
+            seed=cfg.run.seed,
+            gather=distributed.allgather_json,
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self) -> None:
@@ -543,7 +617,8 @@ class Trainer:
             self.loop.rollouts = self.producer.state_dict()
         self.loop.data = self.iterator.state_dict()
         extra = {
-            "loop": dataclasses.asdict(self.loop),
+            # NaN metrics (e.g. the correct responses' mean length when none is correct) as null.
+            "loop": _nan_to_none(dataclasses.asdict(self.loop)),
             "config": config_lib.config_to_dict(self.cfg),
             "model_config": self.model_cfg.to_hf_config(),
         }
@@ -601,6 +676,28 @@ class Trainer:
             raise ValueError(f"sft.data={cfg.sft.data!r}: no usable prompt/response rows")
         return examples
 
+    def _sft_iterator(self):
+        """The SFT order: one iterator, or one per owned data shard (gold pairs follow their
+        problems' shards; pairs from a file are split like the problems)."""
+        cfg = self.cfg
+        examples = self._sft_examples()
+        if self.num_shards == 1:
+            return iterators.PromptIterator(examples, cfg.sft.batch_size, seed=cfg.run.seed + 1)
+        if cfg.sft.data == "gold":  # in self.train_problems' order: the owned shards'
+            per_shard, start = {}, 0
+            for i, problems in self.train_shards.items():
+                per_shard[i] = examples[start : start + len(problems)]
+                start += len(problems)
+        else:
+            split = shards.split(examples, self.num_shards, cfg.run.seed + 1)
+            per_shard = {i: split[i] for i in self.train_shards}
+        size = cfg.sft.batch_size // self.num_shards
+        return shards.ShardedIterator(
+            per_shard,
+            lambda items, seed: iterators.PromptIterator(items, size, seed=seed),
+            seed=cfg.run.seed + 1,
+        )
+
     def _sft_batch(self, examples: list[loading.Problem]):
         limit = self.model_cfg.max_position_embeddings
         prompts, responses = [], []
@@ -623,9 +720,7 @@ class Trainer:
 
     def run_sft(self, progress, stop) -> None:
         cfg = self.cfg
-        sft_iter = iterators.PromptIterator(
-            self._sft_examples(), cfg.sft.batch_size, seed=cfg.run.seed + 1
-        )
+        sft_iter = self._sft_iterator()
         # Fast-forward the SFT data order on resume (cheap: host-side index arithmetic).
         for _ in range(self.loop.sft_step):
             sft_iter.next_batch()
@@ -665,6 +760,8 @@ class Trainer:
     # -- RL: sample -> grade -> shape -> prepare -> update -> sync ----------------------------
     def _generate(self, problems, n, seed):
         prompts = [encode(self.tokenizer, render(self.cfg, p, self.tokenizer)) for p in problems]
+        if self.cfg.sampler.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
+            seed += self.row_block[0] * len(problems)
         params = sampling_params(self.cfg, self.tokenizer, seed=seed)
         completions = self.sampler.generate(prompts, n, params)
         if len(completions) != len(prompts) * n:
@@ -702,7 +799,7 @@ class Trainer:
             rates = np.asarray([s["answer_reward"] for s in scores]).reshape(-1, k).mean(1)
             informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
             rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
-            problems = (informative + rest)[: rl.prompts_per_step]
+            problems = (informative + rest)[: len(candidates) // 2]
             m["filter/informative_fraction"] = len(informative) / len(candidates)
         prompts, completions = self._generate(problems, rl.group_size, step_seed)
         return problems, prompts, completions, m
@@ -721,7 +818,7 @@ class Trainer:
 
     def grade(self, problems, completions):
         scores, stats = self._grade(problems, completions, self.cfg.rl.group_size)
-        if isinstance(self.iterator, iterators.CurriculumPromptIterator):
+        if self.cfg.rl.curriculum:  # a CurriculumPromptIterator (one per data shard)
             g = self.cfg.rl.group_size
             self.iterator.update(
                 [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
@@ -812,7 +909,16 @@ class Trainer:
         out["throughput/update_tokens_per_s"] = (
             out.pop("tokens/attended") * self.cfg.rl.epochs_per_step
         ) / max(seconds.get("update", 0.0), 1e-9)
-        return out
+        # Multi-process: over every process's rollouts; the outcome-conditional lengths are
+        # weighted by each process's count of correct / incorrect completions.
+        right = out.get("accuracy", 0.0) * len(completions)
+        return distributed.reduce_metrics(
+            out,
+            weights={
+                "response_length_correct_mean": right,
+                "response_length_incorrect_mean": len(completions) - right,
+            },
+        )
 
     # -- offline preference phase (rl.algo: dpo | ipo | simpo | orpo) ---------------------------
     def _preference_pairs(self) -> list[tuple[str, str, str]]:
@@ -901,7 +1007,13 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         ev = evaluate(
-            self.cfg, self.sampler, self.tokenizer, self.eval_problems, self.pool, self.reward_fn
+            self.cfg,
+            self.sampler,
+            self.tokenizer,
+            self.eval_problems,
+            self.pool,
+            self.reward_fn,
+            block=self.row_block,
         )
         self._last_accuracy = ev.get("eval/accuracy", self._last_accuracy)
         return ev
@@ -1001,14 +1113,20 @@ def run(
     holds a run is refused unless ``resume`` (continue it) or ``overwrite`` (move it aside).
     """
     placement.place_trainer(cfg.sampler)  # before jax.process_index() starts the backend
+    distributed.initialize(cfg.distributed)  # likewise (a no-op for one process)
     cfg = preflight.check(
         cfg, mode="train", resume=resume, overwrite=overwrite and jax.process_index() == 0
     )
+    if jax.process_count() > 1:  # every process checked out_dir before process 0 writes to it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrlvr-preflight")
     trainer = Trainer(cfg, resume=resume)
     try:
         summary = trainer.run()
     finally:
         trainer.close()
+    distributed.finish()  # a clean end: the other processes do not report this one as lost
     if "interrupted" in summary:
         return summary
     plots_dir = os.path.join(cfg.run.out_dir, "plots")

@@ -120,6 +120,58 @@ def process_batch_rows(mesh: Mesh, global_batch_size: int) -> np.ndarray:
     return np.concatenate([np.arange(i * per, (i + 1) * per) for i in held])
 
 
+def process_row_block(mesh: Mesh) -> tuple[int, int]:
+    """(block, blocks): the rows of a batch that this process's devices hold (over ('data',
+    'fsdp')) are block ``block`` of ``blocks`` equal, contiguous blocks of the global rows, in
+    order. Processes whose devices hold the same shards (a batch axis not split over processes)
+    get the same block. With one process, (0, 1).
+
+    The driver gives each block its own prompts: block b's rollouts are global rows
+    [b * B / blocks, (b + 1) * B / blocks).
+
+    Raises:
+      batch.BatchError: this process's batch shards are not one contiguous, aligned run (a mesh
+        whose device order interleaves processes on the batch axes).
+    """
+    n, held = _batch_shard_layout(mesh)
+    k = len(held)
+    if held != list(range(held[0], held[0] + k)) or n % k or held[0] % k:
+        raise batch_lib.BatchError(
+            f"process {jax.process_index()} holds batch shards {held} of {n}: not one contiguous "
+            "block; build the mesh over jax.devices() in process order (model.make_mesh)"
+        )
+    return held[0] // k, n // k
+
+
+def pad_rows(local_batch: batch_lib.Batch, rows: int, length: int) -> batch_lib.Batch:
+    """``local_batch`` (NumPy) padded with rows and trailing positions that hold nothing (zero
+    ids, attention, loss mask and values) to ``rows`` x ``length``: every process's share of a
+    global batch must have the same shape."""
+
+    def pad(x):
+        x = np.asarray(x)
+        widths = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+        if x.ndim >= 2:
+            widths[1] = (0, length - x.shape[1])
+        return np.pad(x, widths) if any(w[1] for w in widths) else x
+
+    return jax.tree.map(pad, local_batch)
+
+
+def agree_local_shapes(local_batch: batch_lib.Batch) -> batch_lib.Batch:
+    """Every process's share padded (``pad_rows``) to the largest rows x positions over the
+    processes (one small collective); one process: unchanged. Padding rows and positions carry
+    no attention and no loss, so the update is that of the unpadded rows."""
+    if jax.process_count() == 1:
+        return local_batch
+    from jax.experimental import multihost_utils
+
+    ids = np.asarray(local_batch.input_ids)
+    shape = np.asarray([ids.shape[0], ids.shape[1] if ids.ndim > 1 else 0], np.int64)
+    rows, length = np.asarray(multihost_utils.process_allgather(shape)).max(axis=0)
+    return pad_rows(local_batch, int(rows), int(length))
+
+
 def shard_local_batch(local_batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Batch:
     """Global arrays from the rows that this process holds (NumPy or host arrays).
 
@@ -210,7 +262,9 @@ def state_step(state: state_lib.TrainState) -> int:
 class CompiledAlgorithm:
     """An ``algorithm.Algorithm`` compiled for a mesh: what the driver calls every step.
 
-    ``prepare(state, rollouts)`` takes the host batch of the rollout fields (NumPy), validates it
+    ``prepare(state, rollouts)`` takes the host batch of the rollout fields (NumPy; with
+    ``local_rows``, the default in a multi-process job, only this process's rows: its block of
+    ``process_row_block``, padded to the processes' common shape), validates it
     once against ``algorithm.rollout_spec`` (a ``batch.BatchError`` naming the field, before any
     tracing) and ``check_microbatch_split`` (every microbatch's rows divide over the mesh),
     places it on the mesh (the one host-to-device transfer of the step) and runs the
@@ -227,10 +281,13 @@ class CompiledAlgorithm:
         state_shardings: state_lib.TrainState,
         *,
         on_nonfinite: OnNonfinite = "skip",
+        local_rows: bool | None = None,
     ):
         loss_config.check_literal("on_nonfinite", on_nonfinite, OnNonfinite)
         self.algorithm = algorithm
         self.mesh = mesh
+        # Multi-process: each process passes only its own rows (``process_row_block``).
+        self.local_rows = jax.process_count() > 1 if local_rows is None else local_rows
         self.state_shardings = state_shardings
         self.on_nonfinite = on_nonfinite
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -251,10 +308,15 @@ class CompiledAlgorithm:
 
     def prepare(self, state: state_lib.TrainState, rollouts: batch_lib.Batch):
         batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
-        check_microbatch_split(
-            np.shape(rollouts.input_ids)[0], self.algorithm.rollout_spec.num_microbatches, self.mesh
-        )
-        placed = shard_batch(rollouts, self.mesh)
+        rows = np.shape(rollouts.input_ids)[0]
+        if self.local_rows:
+            rollouts = agree_local_shapes(rollouts)
+            rows = np.shape(rollouts.input_ids)[0] * process_row_block(self.mesh)[1]
+        check_microbatch_split(rows, self.algorithm.rollout_spec.num_microbatches, self.mesh)
+        if self.local_rows:
+            placed = shard_local_batch(rollouts, self.mesh)
+        else:
+            placed = shard_batch(rollouts, self.mesh)
         return self._prepare(state, placed)
 
     def update(self, state: state_lib.TrainState, batch: batch_lib.Batch):

@@ -215,6 +215,25 @@ def num_traces() -> int:
     return _TRACES[0]
 
 
+def _held_rows(x: jax.Array) -> tuple[int, int]:
+    """[lo, hi): the rows of a batch-sharded global array that this process's devices hold."""
+    spans = [(s.index[0].start or 0, s.index[0].stop or x.shape[0]) for s in x.addressable_shards]
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def _rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of a global array, read from this process's shards (however the array is
+    laid out, as long as those rows are addressable here)."""
+    out = np.empty((hi - lo, *x.shape[1:]), x.dtype)
+    for s in x.addressable_shards:
+        start = s.index[0].start or 0
+        stop = s.index[0].stop or x.shape[0]
+        a, b = max(start, lo), min(stop, hi)
+        if a < b:
+            out[(slice(a - lo, b - lo), *s.index[1:])] = np.asarray(s.data)[a - start : b - start]
+    return out
+
+
 class JaxSampler:
     """Embedded sampler on JAX (see the module docstring); implements `base.Sampler`.
 
@@ -377,9 +396,20 @@ class JaxSampler:
 
     def _run(self, weights, rows: list[list[int]], params: base.SamplingParams):
         """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy)."""
-        b = bucket(len(rows), self.batch_buckets, multiple_of=self.batch_multiple)
+        multi = self.mesh is not None and jax.process_count() > 1
+        # Multi-process: ``rows`` are this process's; every process pads its rows to the same
+        # bucket and the program runs once over the whole job's rows, each process's rows on its
+        # own devices (its block of the batch axes). Random draws follow the global row order, so
+        # when every process's rows fill their bucket, the rows sample as in one process that
+        # holds them all in process order.
+        blocks = self._row_blocks() if multi else 1
+        b = bucket(len(rows), self.batch_buckets, multiple_of=self.batch_multiple // blocks)
         p = bucket(max(len(r) for r in rows), self.prompt_buckets)
         g = bucket(params.max_tokens, self.gen_buckets)
+        if multi:
+            from jax.experimental import multihost_utils
+
+            b, p = (int(x) for x in multihost_utils.process_allgather(np.asarray([b, p])).max(0))
         padded = rows + [rows[0][:1]] * (b - len(rows))
         ids, pos, valid = left_pad(padded, p)
         row_valid = np.arange(b) < len(rows)
@@ -409,24 +439,43 @@ class JaxSampler:
             use_top_p=params.top_p < 1.0,
             logprobs_mode=self.logprobs_mode,
         )
-        inputs = self._place(inputs)
+        inputs = self._place(inputs, multi=multi)
         outs = _generate_jit(
             weights, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
         )
+        if multi:  # this process's rows of the job's outputs
+            lo, hi = _held_rows(inputs["prompt_ids"])
+            return tuple(_rows_of(x, lo, hi) for x in outs)
         return jax.device_get(outs)
 
-    def _place(self, inputs: dict) -> dict:
-        """Puts batch-leading arrays on the mesh's batch axes, the rest replicated."""
+    def _row_blocks(self) -> int:
+        """How many distinct row blocks the processes hold (processes that share batch shards
+        hold the same rows)."""
+        n = self.batch_multiple
+        lo, hi = _held_rows(
+            jax.make_array_from_callback(
+                (n,), M.batch_sharding(self.mesh, 1), lambda idx: np.zeros(n, np.int32)[idx]
+            )
+        )
+        return n // (hi - lo)
+
+    def _place(self, inputs: dict, *, multi: bool = False) -> dict:
+        """Puts batch-leading arrays on the mesh's batch axes, the rest replicated. Multi-process
+        (``multi``): the batch arrays hold this process's rows, the global array is every
+        process's rows in process order (``jax.make_array_from_process_local_data``)."""
         if self.mesh is None:
             return inputs
         replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         batch_keys = ("prompt_ids", "prompt_pos", "prompt_valid", "row_valid")
-        return {
-            k: jax.device_put(
-                v, M.batch_sharding(self.mesh, np.ndim(v)) if k in batch_keys else replicated
-            )
-            for k, v in inputs.items()
-        }
+        out = {}
+        for k, v in inputs.items():
+            sh = M.batch_sharding(self.mesh, np.ndim(v)) if k in batch_keys else replicated
+            if multi:
+                v = np.asarray(v)
+                out[k] = jax.make_array_from_process_local_data(sh, v)
+            else:
+                out[k] = jax.device_put(v, sh)
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -1,0 +1,90 @@
+"""A two-process ``jaxrlvr train`` job sharing one real CPU vLLM server (``sampler.vllm_urls``).
+
+The server is started here on the trainer's initial model; process 0 pushes every step's weights
+to it (the other process waits at a barrier) and each process sends its own prompts. 3 GRPO steps
+of 2 processes x 4 fake devices end with the parameters (1e-5) and log the metrics of 1 process
+x 8 devices using the same server. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``).
+"""
+
+import os
+
+import pytest
+import test_multihost as mh
+
+VLLM_TINY = [
+    # head_dim 32: the smallest the CPU attention backend of vLLM supports
+    "model.hidden_size=64",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=1",
+    "data.synthetic_train_size=64",
+    "data.synthetic_eval_size=16",
+    "data.shards=2",
+    "sft.steps=0",
+    "rl.steps=3",
+    "rl.prompts_per_step=4",
+    "rl.group_size=4",
+    "rl.packing=false",
+    "reward.format_weight=0.5",
+    "optim.warmup_steps=0",
+    "eval.every=3",
+    "eval.max_problems=16",
+    "checkpoint.every=3",
+    "mesh.data=1",
+    "mesh.fsdp=8",
+    "reward.num_workers=1",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "sampler.kind=vllm",
+]
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One CPU vLLM server on the tiny trainer's initial weights (its architecture and
+    tokenizer); yields its URL."""
+    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
+        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    import jax
+    from flax import nnx
+
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import model as model_lib
+    from jaxrlvr import train
+    from jaxrlvr.sampling import vllm_server, weight_export
+
+    root = tmp_path_factory.mktemp("shared_vllm")
+    cfg = config_lib.load_config(str(mh.REPO / "configs/demo.yaml"), VLLM_TINY)
+    tok = train.build_tokenizer(cfg)
+    mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    model = train.build_model(cfg, tok, mesh)
+    weight_export.export_weights(model.config, nnx.state(model, nnx.Param), root / "model")
+    tok.save_pretrained(root / "model")
+    server = vllm_server.VLLMServer(
+        root / "model", python=python, max_model_len=64, log_path=root / "server.log"
+    )
+    yield server.url
+    server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_processes_share_one_vllm_server_like_one_process(shared_server, tmp_path):
+    url = f"sampler.vllm_urls=[{shared_server}]"
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    mh.finish(mh.start(single, url, processes=1, args=VLLM_TINY))
+    mh.finish(mh.start(multi, url, args=VLLM_TINY))
+    step_a, a = mh.final_params(single)
+    step_b, b = mh.final_params(multi)
+    assert step_a == step_b == 3
+    for k in a:
+        # float32 on both sides; reductions in another order: ~1e-7 apart.
+        mh.np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
+    mh.assert_same_metrics(single, multi)
+    lines = mh.metric_lines(multi)
+    assert all(x["grad_norm"] > 0 for x in lines[1:])
+    assert lines[1]["grading/n"] == 16  # both processes' rollouts
