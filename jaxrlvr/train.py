@@ -422,6 +422,11 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
         raise configlib.ConfigKeyError(
             f"rl.algo={rl.algo}: the offline preference phase runs in one process only"
         )
+    if jax.process_count() > 1 and rl.max_staleness > 0:
+        # The background sampler's collectives would interleave with the update's.
+        raise configlib.ConfigKeyError(
+            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts run in one process only"
+        )
     if rl.algo != "none" and rl.steps > 0 and rl.prompts_per_step % n:
         raise configlib.ConfigKeyError(
             f"rl.prompts_per_step={rl.prompts_per_step} is not a multiple of the {n} data shards"
