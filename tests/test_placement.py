@@ -205,7 +205,7 @@ def test_trainer_applies_the_placement_before_jax_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(placement, "place_trainer", lambda s: calls.append("place") or PLAN2)
     monkeypatch.setattr(placement, "check_jax_devices", lambda p: calls.append(("check", p)))
 
-    def stop(cfg):
+    def stop(cfg, devices=None):
         calls.append("mesh")
         raise RuntimeError("stop here")
 
