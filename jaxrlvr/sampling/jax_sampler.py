@@ -50,7 +50,7 @@ from jaxrlvr import model as M
 from jaxrlvr.model.buckets import bucket
 from jaxrlvr.sampling import base, sample_ops
 
-DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024)
+DEFAULT_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_GEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PAD_ID = -1  # never equal to a real token: pads the stop-id table
@@ -85,6 +85,9 @@ class _Static:
     top_k: int
     use_top_p: bool
     logprobs_mode: sample_ops.LogprobsMode
+    # Rows come in groups of this many copies of one prompt (the n samples of a prompt, rows
+    # prompt-major): the prompt is prefilled once per group and its cache copied to the rows.
+    group: int = 1
 
 
 @dataclasses.dataclass
@@ -159,9 +162,20 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
     # Slots after the prompt are all valid; causality (slot <= current) hides the unwritten ones.
     valid_bs = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
     # Prefill: the prompt fills slots [0, P) of a P + G slot cache; logits of the last position.
-    cache = M.init_cache(cfg, b, p + g)
-    hidden, cache = lm.backbone(ids, valid_bs, pos, cache=cache, cache_index=0)
-    logits = lm.lm_logits(hidden[:, -1:])[:, 0]
+    if s.group > 1:
+        # One prefill per prompt, not per sample: the group's first row, then its cache and
+        # last-position logits repeated to the group's rows (n x less prefill work).
+        first = slice(None, None, s.group)
+        cache = M.init_cache(cfg, b // s.group, p + g)
+        hidden, cache = lm.backbone(
+            ids[first], valid_bs[first], pos[first], cache=cache, cache_index=0
+        )
+        cache = jax.tree.map(lambda x: jnp.repeat(x, s.group, axis=0), cache)
+        logits = jnp.repeat(lm.lm_logits(hidden[:, -1:])[:, 0], s.group, axis=0)
+    else:
+        cache = M.init_cache(cfg, b, p + g)
+        hidden, cache = lm.backbone(ids, valid_bs, pos, cache=cache, cache_index=0)
+        logits = lm.lm_logits(hidden[:, -1:])[:, 0]
     next_pos = pos[:, -1] + 1  # position of the first generated token
 
     done0 = ~inputs["row_valid"]
@@ -362,15 +376,23 @@ class JaxSampler:
         """`generate` without a thinking budget, on validated prompts."""
         rows = [p for p in prompts for _ in range(n)]
         weights, version = self._live  # one snapshot: these weights generate every row
-        tokens, logps, lengths, stopped = self._run(weights, rows, sampling_params)
+        tokens, logps, lengths, stopped = self._run(weights, rows, sampling_params, group=n)
         stops = sampling_params.stop
         out = []
+        # Host work per call, not per row: one tolist per array, one batched decode.
+        lengths, stopped = lengths[: len(rows)].tolist(), stopped[: len(rows)].tolist()
+        all_ids = [row[:k] for row, k in zip(tokens[: len(rows)].tolist(), lengths)]
+        all_lp = [row[:k] for row, k in zip(logps[: len(rows)].tolist(), lengths)]
+        texts = (
+            self.tokenizer.batch_decode(all_ids, skip_special_tokens=True)
+            if self.tokenizer is not None
+            else [""] * len(rows)
+        )
         for r in range(len(rows)):
-            length = int(lengths[r])
-            ids = tokens[r, :length].tolist()
-            lp = logps[r, :length].tolist() if sampling_params.logprobs else []
+            ids = all_ids[r]
+            lp = all_lp[r] if sampling_params.logprobs else []
             reason = "stop" if stopped[r] else "length"
-            text = self._decode(ids)
+            text = texts[r]
             if stops:
                 ids, lp, text, hit = self._cut_at_stop(ids, lp, text, stops)
                 reason = "stop" if hit else reason
@@ -394,8 +416,9 @@ class JaxSampler:
             return 1
         return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
-    def _run(self, weights, rows: list[list[int]], params: base.SamplingParams):
-        """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy)."""
+    def _run(self, weights, rows: list[list[int]], params: base.SamplingParams, *, group=1):
+        """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy).
+        ``group``: rows come in groups of that many copies of one prompt (prefilled once)."""
         multi = self.mesh is not None and jax.process_count() > 1
         # Multi-process: ``rows`` are this process's; every process pads its rows to the same
         # bucket and the program runs once over the whole job's rows, each process's rows on its
@@ -438,6 +461,8 @@ class JaxSampler:
             top_k=params.top_k if params.top_k < self.cfg.vocab_size else 0,
             use_top_p=params.top_p < 1.0,
             logprobs_mode=self.logprobs_mode,
+            # Grouped prefill needs whole groups that still split over the batch shards.
+            group=group if group > 1 and b % (group * self.batch_multiple) == 0 else 1,
         )
         inputs = self._place(inputs, multi=multi)
         outs = _generate_jit(

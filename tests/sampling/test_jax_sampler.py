@@ -215,10 +215,11 @@ def test_same_bucket_does_not_retrace(sampler):
     sampler.generate(PROMPTS, 1, params)  # may compile (first use of this program)
     traces = jax_sampler.num_traces()
     # Other prompt lengths, max_tokens, temperature and seed, all inside the same buckets
-    # (3 rows -> batch 4, prompts <= 32, max_tokens <= 16).
+    # (3 rows -> batch 4, longest prompt 9-16 tokens, max_tokens <= 16).
     sampler.generate(PROMPTS, 1, dataclasses.replace(params, seed=5))
-    sampler.generate([[1, 2], [3, 4, 5, 6, 7], [8]], 1, dataclasses.replace(params, max_tokens=13))
-    sampler.generate(PROMPTS[:1], 3, dataclasses.replace(params, temperature=0.7, seed=1))
+    longest = list(range(3, 15))
+    sampler.generate([[1, 2], longest, [8]], 1, dataclasses.replace(params, max_tokens=13))
+    sampler.generate(PROMPTS[2:], 3, dataclasses.replace(params, temperature=0.7, seed=1))
     assert jax_sampler.num_traces() == traces
     # A longer prompt bucket is a new program: the counter does count traces.
     sampler.generate([list(range(1, 40))], 1, params)
@@ -233,6 +234,19 @@ def test_deterministic_for_a_seed(sampler):
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.logprobs for x in a] == [x.logprobs for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_grouped_prefill_equals_one_prefill_per_row(sampler):
+    """n samples of a prompt prefill it once (``_Static.group``); the same rows given as n
+    copies of the prompt (n=1, prefilled per row) sample the same tokens with the same seed.
+    Log-probs: 1e-6 (float32; the prefill's batch size differs, so XLA may order sums
+    differently)."""
+    params = base.SamplingParams(temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    grouped = sampler.generate(PROMPTS, 4, params)  # 12 rows -> batch 16, group 4
+    copies = sampler.generate([p for p in PROMPTS for _ in range(4)], 1, params)
+    assert [c.token_ids for c in grouped] == [c.token_ids for c in copies]
+    for a, b in zip(grouped, copies):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
 
 
 def test_thinking_budget_forces_exit_text(ckpt, sampler):
