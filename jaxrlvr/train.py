@@ -855,6 +855,7 @@ class Trainer:
         return self.sampler.update_weights(self.state.params, version=self.loop.rl_step + 1)
 
     def rl_step(self) -> dict[str, float]:
+        start = time.perf_counter()
         timer = metrics_lib.PhaseTimer()
         t, k = self.loop.rl_step, self.cfg.rl.max_staleness
         async_m: dict[str, float] = {}
@@ -881,7 +882,8 @@ class Trainer:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        rollouts, out = self.shape(prompts, completions, scores)
+        with timer.phase("shape"):
+            rollouts, out = self.shape(prompts, completions, scores)
         with timer.phase("logprobs"):
             batch, prepare_m = self.prepare(rollouts)
         with timer.phase("update"):
@@ -914,6 +916,7 @@ class Trainer:
         out["throughput/update_tokens_per_s"] = (
             out.pop("tokens/attended") * self.cfg.rl.epochs_per_step
         ) / max(seconds.get("update", 0.0), 1e-9)
+        out["time/step_s"] = time.perf_counter() - start  # the phases and the host work between
         # Multi-process: over every process's rollouts; the outcome-conditional lengths are
         # weighted by each process's count of correct / incorrect completions.
         right = out.get("accuracy", 0.0) * len(completions)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtual environment .venv and installs jaxrlvr into it.
 #
-# Usage: scripts/setup_env.sh [EXTRA]   EXTRA: "test" installs the test extra (pytest, torch CPU, ...).
+# Usage: scripts/setup_env.sh [EXTRA]   EXTRA: "test" installs the test extra (pytest, torch CPU, TRL for `jaxrlvr bench loop`, ...).
 # Prints the venv's python on the last line. pip's own chatter (build-backend notices, index
 # warnings) goes to .venv/install.log; it is shown only when the install fails.
 set -euo pipefail

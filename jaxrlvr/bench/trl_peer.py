@@ -1,0 +1,258 @@
+"""The TRL peer of ``jaxrlvr bench loop``: TRL's ``GRPOTrainer`` on a jaxrlvr train config's task.
+
+Run as a worker (``python -m jaxrlvr.bench.trl_peer CONFIG --model DIR --steps N --out DIR``,
+one process per system, started by ``bench.loop``). It reads the same config (and ``--set``
+overrides) as ``jaxrlvr train`` and maps it onto TRL 1.16 (a test/bench extra, never a runtime
+dependency of jaxrlvr):
+
+- the model is the Hugging Face folder ``--model`` (the loop passes the jaxrlvr SFT warm start,
+  exported with ``jaxrlvr export``), float32, eager PyTorch, ``generate`` for rollouts;
+- data: the config's training split, rendered with its template and the same tokenizer
+  (``train.load_splits`` / ``train.render`` / ``train.build_tokenizer``); one step is
+  ``rl.prompts_per_step`` prompts x ``rl.group_size`` completions, all in one optimizer step
+  (``steps_per_generation=1``, one iteration: TRL then skips its old-log-prob pass too);
+- rewards: the config's verifier (``verifiers.make_reward_fn``), called in-process;
+- sampling: ``sampler.temperature``/``top_p``/``top_k``/``max_tokens``, and the config's stop
+  strings that are single tokens (``</answer>`` in the demo) end a completion, as in jaxrlvr;
+- loss: GRPO, sequence-mean of token-means (TRL ``loss_type="grpo"``, the demo's
+  ``seq_mean_token_mean``), clip ``rl.loss.clip_eps_low``/``_high``, ``rl.loss.kl_coef`` as
+  ``beta``, advantages scaled by the group std (``scale_rewards="group"``; TRL's std is the
+  unbiased one, jaxrlvr's the population one: a factor sqrt(8/7) on the demo's groups that Adam
+  mostly absorbs);
+- optimiser: torch AdamW with the config's ``optim`` (betas, eps, weight decay, clip norm) and
+  the warmup-cosine schedule over ``optim.total_steps`` (so a short run takes the first steps of
+  the full run's schedule, as jaxrlvr does).
+
+Timed per step (TRL's own methods wrapped): ``sample`` (``_generate``), ``reward``
+(``_calculate_rewards``), ``logprobs`` (old/reference log-prob passes outside the loss), ``prep``
+(the rest of TRL's batch preparation), ``update`` (forward, backward, optimizer step). TRL
+generates with the training model, so there is no weight sync and no waiting. After the timed
+phase the final model is saved and evaluated with jaxrlvr's own held-out evaluation
+(``train.evaluate_only``: same problems, sampler, seed and grader as the jaxrlvr run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jaxrlvr.bench.trl_peer")
+    p.add_argument("config")
+    p.add_argument("--model", required=True, help="Hugging Face folder of the warm start")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True, help="directory for the final model")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--_out", required=True)
+    return p.parse_args(argv)
+
+
+class _Timers:
+    """Seconds per phase of the current step, and the finished steps' records."""
+
+    def __init__(self):
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self.depth = 0  # > 0 inside compute_loss: log-prob passes there are the update's
+
+    def add(self, name: str, seconds: float) -> None:
+        self.current[name] = self.current.get(name, 0.0) + seconds
+
+
+def _timed(timers: _Timers, name: str, fn, *, only_outside_loss: bool = False):
+    def wrapper(*a, **kw):
+        if only_outside_loss and timers.depth:
+            return fn(*a, **kw)
+        start = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            timers.add(name, time.perf_counter() - start)
+
+    return wrapper
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import datasets
+    import transformers
+    import trl
+
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import train
+    from jaxrlvr.bench import common
+    from jaxrlvr.rewards import verifiers
+
+    cfg = config_lib.load_config(args.config, list(args.set))
+    rl, s, o = cfg.rl, cfg.sampler, cfg.optim
+    tokenizer = train.build_tokenizer(cfg)
+    problems, _ = train.load_splits(cfg)
+    data = datasets.Dataset.from_list(
+        [{"prompt": train.render(cfg, p, tokenizer), "answer": p.answer} for p in problems]
+    )
+    grade = verifiers.make_reward_fn(
+        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
+    )
+
+    def reward(prompts, completions, answer, **_):
+        return [float(grade(c, a)["reward"]) for c, a in zip(completions, answer)]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    stop_ids = [tokenizer.eos_token_id]
+    for text in s.stop:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:
+            stop_ids.append(ids[0])
+    model.generation_config.eos_token_id = stop_ids
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    rollouts = rl.prompts_per_step * rl.group_size
+    tcfg = trl.GRPOConfig(
+        output_dir=args.out,
+        per_device_train_batch_size=rollouts,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=rl.group_size,
+        num_iterations=rl.epochs_per_step,
+        max_completion_length=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        beta=rl.loss.kl_coef,
+        epsilon=rl.loss.clip_eps_low,
+        epsilon_high=rl.loss.clip_eps_high,
+        loss_type="grpo",
+        scale_rewards="group" if rl.advantage.scale == "group_std" else "none",
+        max_grad_norm=o.max_grad_norm or 0.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.run.seed,
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_dropout=True,
+        log_completions=False,
+        disable_tqdm=True,
+    )
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.learning_rate,
+        betas=(o.b1, o.b2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
+    total = o.total_steps or args.steps
+    if o.schedule == "cosine":
+        sched = transformers.get_cosine_schedule_with_warmup(opt, o.warmup_steps, total)
+    else:
+        sched = transformers.get_constant_schedule_with_warmup(opt, o.warmup_steps)
+
+    timers = _Timers()
+
+    class Timed(trl.GRPOTrainer):
+        pass
+
+    trainer = Timed(
+        model=model,
+        reward_funcs=[reward],
+        args=tcfg,
+        train_dataset=data,
+        processing_class=tokenizer,
+        optimizers=(opt, sched),
+    )
+    # Wrap the instance's methods (TRL's own code runs unchanged inside them).
+    trainer._generate = _timed(timers, "sample", trainer._generate)
+    trainer._calculate_rewards = _timed(timers, "reward", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = _timed(
+        timers, "logprobs", trainer._get_per_token_logps_and_entropies, only_outside_loss=True
+    )
+    trainer._prepare_inputs = _timed(timers, "prepare_inputs", trainer._prepare_inputs)
+    inner_loss = trainer.compute_loss
+
+    def compute_loss(*a, **kw):
+        timers.depth += 1
+        try:
+            return inner_loss(*a, **kw)
+        finally:
+            timers.depth -= 1
+
+    trainer.compute_loss = compute_loss
+
+    class StepClock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            timers.current = {}
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step = time.perf_counter() - self.start
+            c = timers.current
+            inner = c.get("sample", 0.0) + c.get("reward", 0.0) + c.get("logprobs", 0.0)
+            timers.steps.append(
+                {
+                    "sample": c.get("sample", 0.0),
+                    "reward": c.get("reward", 0.0),
+                    "logprobs": c.get("logprobs", 0.0),
+                    "shape": max(c.get("prepare_inputs", 0.0) - inner, 0.0),
+                    "update": max(step - c.get("prepare_inputs", 0.0), 0.0),
+                    "sync": 0.0,
+                    "wait_rollouts": 0.0,
+                    "step": step,
+                }
+            )
+
+    trainer.add_callback(StepClock())
+    history: list[dict] = []
+
+    class Metrics(transformers.TrainerCallback):
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs:
+                history.append(dict(logs))
+
+    trainer.add_callback(Metrics())
+    start = time.perf_counter()
+    trainer.train()
+    phase_s = time.perf_counter() - start
+
+    final_dir = os.path.join(args.out, "final_hf")
+    model.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    eval_cfg = config_lib.load_config(
+        args.config, list(args.set) + [f"model.path={final_dir}", "sft.steps=0"]
+    )
+    eval_cfg = dataclasses.replace(
+        eval_cfg, run=dataclasses.replace(eval_cfg.run, out_dir=os.path.join(args.out, "eval"))
+    )
+    ev = train.evaluate_only(eval_cfg)
+
+    lengths = [h["completions/mean_length"] for h in history if "completions/mean_length" in h]
+    record = {
+        "system": "trl",
+        "version": trl.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "steps": timers.steps,
+        "phase_s": phase_s,
+        "median_step_s": statistics.median(x["step"] for x in timers.steps),
+        "response_tokens": [ln * rollouts for ln in lengths],
+        "reward_mean": [h.get("reward") for h in history if "reward" in h],
+        "eval_final": ev.get("eval/accuracy", math.nan),
+        "peak_rss_mib": common.peak_rss_mib(),
+    }
+    common.save_json(args._out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
