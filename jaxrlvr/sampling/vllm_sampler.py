@@ -100,6 +100,12 @@ class VersionGate:
                 self._shared -= 1
                 self._cond.notify_all()
 
+    @property
+    def shared_holders(self) -> int:
+        """How many requests hold the gate now (sent and not yet answered)."""
+        with self._cond:
+            return self._shared
+
     @contextlib.contextmanager
     def exclusive(self):
         """Yields the seconds spent waiting for the shared holders to finish."""
@@ -553,6 +559,11 @@ class VLLMSampler:
                 "resume_s": t4 - t3,
                 "confirm_s": t5 - t4,
             }
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Completion requests of this client sent and not yet answered."""
+        return self._gate.shared_holders
 
     def live_versions(self) -> list[str | None]:
         """The weight version each server reports (``GET /weight_info``)."""
