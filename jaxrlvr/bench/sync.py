@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from jaxrlvr.bench import common
+from jaxrlvr.model import config as model_config
 
 # Model shapes as ``common`` factories (float32, untied, 512 positions).
 SHAPES = {
@@ -29,6 +30,7 @@ SHAPES = {
     "50m": functools.partial(
         common.qwen2, vocab=8192, hidden=640, mlp=1728, layers=10, heads=10, kv_heads=2
     ),
+    "0.5b": lambda: model_config.ModelConfig.qwen2_5_0_5b(max_position_embeddings=512),
 }
 PARTS = ("export_s", "pause_s", "reload_s", "reset_s", "resume_s", "confirm_s", "total_s")
 

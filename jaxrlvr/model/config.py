@@ -276,6 +276,26 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
+    def qwen2_5_0_5b(cls, **overrides) -> ModelConfig:
+        """Qwen2.5-0.5B (its config.json): 0.49B parameters, vocabulary 151,936, tied embeddings.
+        For the weight-sync benchmark and abstract-shape checks; real weights come from
+        ``load_hf``."""
+        fields = dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
     def qwen2_5_math_1_5b(cls, **overrides) -> ModelConfig:
         """Qwen2.5-Math-1.5B (the course's leaderboard model): Qwen2.5-1.5B's shapes with a
         4,096-token context and rope theta 10,000."""
