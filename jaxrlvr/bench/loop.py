@@ -94,15 +94,19 @@ def _summary(steps: list[dict[str, float]], tokens: list[float]) -> dict[str, An
     }
 
 
-def run_jaxrlvr(row: Row, config: str, sets: list[str], warm: str, steps: int, out: str) -> dict:
-    """The real ``jaxrlvr train`` on the config from the warm start; reads its metrics.jsonl."""
+def run_jaxrlvr(
+    row: Row, config: str, sets: list[str], warm: str, steps: int, out: str, eval_every: int = 0
+) -> dict:
+    """The real ``jaxrlvr train`` on the config from the warm start; reads its metrics.jsonl.
+    ``eval_every``: held-out evaluations during the run (0: at the start and the end only); they
+    run between steps, outside the step times."""
     run_dir = os.path.join(out, row.label)
     overrides = [
         *sets,
         f"model.path={warm}",
         "sft.steps=0",
         f"rl.steps={steps}",
-        f"eval.every={steps}",
+        f"eval.every={eval_every or steps}",
         f"checkpoint.every={steps}",
         f"run.out_dir={run_dir}",
         "run.progress=false",
@@ -117,6 +121,7 @@ def run_jaxrlvr(row: Row, config: str, sets: list[str], warm: str, steps: int, o
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     rl = [m for m in lines if "time/update_s" in m]
+    curve = [(m["step"], m["eval/accuracy"]) for m in lines if "eval/accuracy" in m]
     per_step = []
     for m in rl:
         rec = {k: float(m.get(f"time/{k}_s", 0.0)) for k in PHASES}
@@ -135,10 +140,14 @@ def run_jaxrlvr(row: Row, config: str, sets: list[str], warm: str, steps: int, o
         "eval_start": summary.get("eval_accuracy_after_sft"),
         "eval_final": summary.get("eval_accuracy_final"),
         "reward_mean": [m.get("reward_mean") for m in rl],
+        "eval_curve": curve,
+        "run_dir": run_dir,
     }
 
 
-def run_trl(row: Row, config: str, sets: list[str], warm: str, steps: int, out: str) -> dict:
+def run_trl(
+    row: Row, config: str, sets: list[str], warm: str, steps: int, out: str, eval_every: int = 0
+) -> dict:
     """TRL's GRPOTrainer (``bench.trl_peer``) from the warm start, in its own process."""
     run_dir = os.path.join(out, row.label)
     os.makedirs(run_dir, exist_ok=True)
@@ -228,6 +237,13 @@ def main(argv=None) -> int:
         "--sampler", choices=("jax", "vllm"), default=None, help="jaxrlvr rows' sampler.kind"
     )
     p.add_argument("--warm-start", default=None, help="reuse this Hugging Face warm start")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="jaxrlvr rows: held-out evaluation every N steps, for learning curves (default: "
+        "start and end only)",
+    )
     args = p.parse_args(argv)
     chosen = common.comma_list(p, "--systems", args.systems, SYSTEMS)
     rows = [r for r in ROWS if r.system in chosen] + [_parse_row(p, t) for t in args.row]
@@ -251,7 +267,7 @@ def main(argv=None) -> int:
     records = []
     for row in rows:
         print(f"[bench loop] {row.label}: {steps} steps ...", file=sys.stderr, flush=True)
-        rec = RUNNERS[row.system](row, args.config, args.set, warm, steps, out)
+        rec = RUNNERS[row.system](row, args.config, args.set, warm, steps, out, args.eval_every)
         rec["summary"] = _summary(rec["steps"], rec["response_tokens"])
         records.append(rec)
     # Every row starts from the same weights, evaluated the same way: the jaxrlvr rows' start

@@ -32,7 +32,17 @@ SHAPES = {
     ),
     "0.5b": lambda: model_config.ModelConfig.qwen2_5_0_5b(max_position_embeddings=512),
 }
-PARTS = ("export_s", "pause_s", "reload_s", "reset_s", "resume_s", "confirm_s", "total_s")
+PARTS = (
+    "to_host_s",
+    "write_s",
+    "export_s",
+    "pause_s",
+    "reload_s",
+    "reset_s",
+    "resume_s",
+    "confirm_s",
+    "total_s",
+)
 
 
 def _tokenizer(directory: str):
@@ -96,7 +106,7 @@ def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
         "system": "vllm",
         "shape": name,
         "num_params": cfg.num_params(),
-        "bytes": 4 * cfg.num_params(),
+        "bytes": 4 * cfg.num_params(),  # float32 parameters (the CPU server's dtype)
         "repeats": repeats,
         "startup_s": startup_s,
         "first_request_s": first_request_s,

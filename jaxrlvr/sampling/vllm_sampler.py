@@ -458,7 +458,7 @@ class VLLMSampler:
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
         """Exports `weights` and makes every server serve them; returns timings in seconds.
 
-        Keys: export_s, wait_inflight_s (waiting for this client's in-flight requests to finish
+        Keys: export_s (to_host_s + write_s), wait_inflight_s (waiting for this client's in-flight requests to finish
         on the old weights), pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for
         each part) and total_s. The export runs while in-flight requests finish. Raises
         `VLLMError` if a server fails or does not report the new version; a server whose reload
@@ -481,7 +481,12 @@ class VLLMSampler:
                 )
             )
             self.version = version
-        out = {"export_s": timings["export_s"], "wait_inflight_s": waited}
+        out = {
+            "export_s": timings["export_s"],
+            "to_host_s": timings["to_host_s"],  # the export's split: device -> host in HF layout
+            "write_s": timings["write_s"],  # and the safetensors write
+            "wait_inflight_s": waited,
+        }
         for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):
             out[key] = max(p[key] for p in parts)
         out["total_s"] = time.perf_counter() - t0
