@@ -458,11 +458,12 @@ class VLLMSampler:
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
         """Exports `weights` and makes every server serve them; returns timings in seconds.
 
-        Keys: export_s (to_host_s + write_s), wait_inflight_s (waiting for this client's in-flight requests to finish
-        on the old weights), pause_s, reload_s, reset_s, resume_s, confirm_s (slowest server for
-        each part) and total_s. The export runs while in-flight requests finish. Raises
-        `VLLMError` if a server fails or does not report the new version; a server whose reload
-        failed stays paused, so that no rollout comes from half-loaded weights.
+        Keys: export_s (to_host_s + write_s), wait_inflight_s (waiting for this client's
+        in-flight requests to finish on the old weights), pause_s, reload_s, reset_s, resume_s,
+        confirm_s (slowest server for each part) and total_s. The export runs while in-flight
+        requests finish. Raises `VLLMError` if a server fails or does not report the new version;
+        a server whose reload failed stays paused, so that no rollout comes from half-loaded
+        weights.
         """
         version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
