@@ -19,7 +19,7 @@ ALL="grpo no_std dr_grpo const_norm epochs4_clip epochs4_noclip r1_zero"
 EXPERIMENTS="${EXPERIMENTS:-$ALL}"
 SEEDS="${SEEDS:-0}"
 
-train() { "$JAXRLVR" train "configs/experiments/$1.yaml" run.progress=false --overwrite "${@:2}"; }
+train() { "$JAXRLVR" train "configs/experiments/$1.yaml" run.progress=false "${@:2}" --overwrite; }
 
 # A warm start (SFT only) and its Hugging Face export, which the RL configs load (model.path).
 warm_start() {
