@@ -241,6 +241,16 @@ class RLSection:
     bucket that ``microbatches`` x the mesh's batch shards divides (``rollout.row_bucket``).
     Off: one rollout per row, right-padded to the length bucket.
 
+    ``max_tokens_per_microbatch`` (packing only): a token budget instead of a fixed
+    ``microbatches``. Each step then takes the fewest microbatches (from the buckets 1, 2, 3, 4,
+    6, 8, 12, ...) whose rows x the step's row length T stay within the budget, with rows per
+    microbatch a multiple of the mesh's batch shards (the budget counts the positions of one
+    microbatch over all of them), and pads the row count with all-padding rows so that it
+    divides (``rollout.budget_rows``). The update and the old/reference log-prob passes run in
+    that many microbatches (exact gradient accumulation: the same update as one microbatch),
+    compiled once per count and row bucket; the count is logged as ``tokens/microbatches``.
+    ``microbatches`` stays 1 then. None: ``microbatches`` microbatches every step.
+
     ``max_staleness`` (k): asynchronous rollouts (``jaxrlvr.async_rollouts``; docs/async.md).
     0 is the synchronous loop. With k > 0 the batch of step t + k is generated while step t
     updates, by the weights of version t (the policy after t updates), so every batch from step
@@ -281,6 +291,7 @@ class RLSection:
     mask_forced_tokens: bool = True
     packing: bool = True
     max_tokens_per_row: int | None = None
+    max_tokens_per_microbatch: int | None = None
     max_staleness: int = 0
     off_policy_correction: bool = True
 
@@ -308,6 +319,26 @@ class RLSection:
             )
         if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
             raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None:
+            key = f"rl.max_tokens_per_microbatch={budget!r}"
+            if not (isinstance(budget, int) and budget >= 1):
+                raise ValueError(f"{key}: expected an int >= 1 or null")
+            if not self.packing or self.algo in PREFERENCE_ALGOS:
+                raise ValueError(
+                    f"{key}: a token budget fills packed rollout rows; it needs rl.packing=true "
+                    "and an online algorithm (grpo, ppo, expert_iteration)"
+                )
+            if self.microbatches != 1:
+                raise ValueError(
+                    f"{key}: the budget chooses each step's microbatch count; leave "
+                    f"rl.microbatches at 1, not {self.microbatches}"
+                )
+            if self.max_tokens_per_row is not None and budget < self.max_tokens_per_row:
+                raise ValueError(
+                    f"{key} is less than one row of rl.max_tokens_per_row="
+                    f"{self.max_tokens_per_row} positions"
+                )
         if self.algo == "grpo" and self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt"

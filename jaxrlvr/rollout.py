@@ -10,7 +10,9 @@ Two layouts. Padded: one sequence per row, rows right-padded to the length bucke
 a token budget T (first-fit decreasing), with ``segment_ids``/``positions`` (``algos.segments``),
 and the row count rounded up to a bucket (``row_bucket``: a multiple of ``row_multiple`` times 1,
 2, 3, 4, 6, 8, 12, ...), so the number of compiled shapes stays small while the padding that a
-heavy-tailed length distribution leaves in a padded batch is not computed. Per-sequence fields
+heavy-tailed length distribution leaves in a padded batch is not computed. With a token budget
+per microbatch (``budget_rows``, the driver's ``rl.max_tokens_per_microbatch``) the row count
+and the number of microbatches are both chosen from such buckets. Per-sequence fields
 (advantages, rewards, correct) become per token in the packed layout (``PackedBatch.per_token``).
 
 Left out: sampling itself (``sampling/``), the loss math (``algos/``).
@@ -43,12 +45,44 @@ def row_bucket(rows: int, multiple: int = 1) -> int:
         power *= 2
 
 
-def budget_rows(rows: int, max_rows_per_microbatch: int) -> tuple[int, int]:
-    """(batch rows, microbatches) for ``rows`` packed rows when a microbatch holds at most
-    ``max_rows_per_microbatch`` rows (a token budget): the fewest microbatches, then rows split
-    as evenly as they go (at most microbatches - 1 padding rows)."""
-    n = -(-rows // max_rows_per_microbatch)
-    return n * -(-rows // n), n
+def budget_rows(
+    rows: int,
+    row_length: int,
+    max_tokens: int,
+    *,
+    shards: int = 1,
+    key: str = "max_tokens_per_microbatch",
+) -> tuple[int, int]:
+    """(batch rows, microbatches) for ``rows`` packed rows of ``row_length`` positions when a
+    microbatch may hold at most ``max_tokens`` positions (a token budget, over all the batch
+    shards together) and its rows must split evenly over ``shards`` batch shards.
+
+    Both counts come from buckets, so that a run compiles few distinct updates: the number of
+    microbatches is ``row_bucket`` of the fewest that hold the rows (1, 2, 3, 4, 6, 8, ...), and
+    each microbatch's rows are ``row_bucket(., shards)`` of an even split, capped at the most
+    that fit the budget. Every microbatch holds at most ``max_tokens`` positions; from 4 x
+    ``shards`` rows on, at most a third of the rows returned are padding (all-padding rows that
+    the caller adds), and ``rows`` from 1 to 2,000 map to some 20 to 30 distinct results.
+
+    Raises:
+      ValueError: ``max_tokens`` holds fewer than ``shards`` rows (``key`` names the setting).
+    """
+    most = max_tokens // row_length // shards * shards  # rows a microbatch may hold
+    if most < 1:
+        raise ValueError(
+            f"{key}={max_tokens} is less than one microbatch of {shards} row(s) x T={row_length} "
+            f"positions = {shards * row_length}: raise it or lower the rows' length"
+        )
+    n = row_bucket(-(-rows // most))
+    per = min(most, row_bucket(-(-rows // n), shards))
+    return n * per, n
+
+
+def used_rows(batch: batch_lib.Batch) -> int:
+    """Rows up to the last one that holds any token: packed rows are filled from the first, so
+    the rest are all padding (``pack``'s row bucket)."""
+    held = np.flatnonzero(np.asarray(batch.attention_mask).any(axis=1))
+    return int(held[-1]) + 1 if held.size else 0
 
 
 @dataclasses.dataclass

@@ -280,19 +280,26 @@ def make_algorithm(
     graphdef: nnx.GraphDef,
     params_shape: nnx.State,
     mesh,
+    *,
+    microbatches: int | None = None,
 ) -> algorithm_lib.Algorithm:
     """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
-    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's."""
+    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's.
+
+    ``microbatches``: the RL record's microbatch count (default ``rl.microbatches``), for the
+    count a token budget chose (``rl.max_tokens_per_microbatch``); the state it inits has the
+    same shapes whatever the count."""
     if phase == "sft" or cfg.rl.algo == "none":
         sft_cfg = updates.SFTUpdateConfig(
             num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
         )
         return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
     rl = cfg.rl
+    microbatches = rl.microbatches if microbatches is None else microbatches
     if rl.algo == "grpo":
         grpo_cfg = updates.GRPOUpdateConfig(
             loss=rl.policy_loss,
-            num_microbatches=rl.microbatches,
+            num_microbatches=microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,
         )
         return algorithm_lib.grpo(
@@ -306,7 +313,7 @@ def make_algorithm(
     if rl.algo == "ppo":
         ppo_cfg = updates.PPOUpdateConfig(
             loss=rl.policy_loss,
-            num_microbatches=rl.microbatches,
+            num_microbatches=microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,
             **dataclasses.asdict(rl.ppo),
         )
@@ -320,12 +327,12 @@ def make_algorithm(
             nll_weight=cfg.pref.nll_weight,
         )
         pref_cfg = preference.PreferenceUpdateConfig(
-            loss=loss, num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+            loss=loss, num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
         )
         return algorithm_lib.preference(graphdef, cfg.optim, pref_cfg, mesh=mesh)
     if rl.algo == "expert_iteration":
         ei_cfg = updates.SFTUpdateConfig(
-            num_microbatches=rl.microbatches, logprob_chunk_size=rl.logprob_chunk_size
+            num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
         )
         return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
     raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
@@ -359,6 +366,7 @@ def shaping_config(
         drop_zero_variance_groups=rl.drop_zero_variance_groups,
         packing=rl.packing,
         max_tokens_per_row=rl.max_tokens_per_row,
+        # With a token budget (microbatches 1) ``Trainer.fit_budget`` sets the final row count.
         row_multiple=rl.microbatches * shards,
     )
 
@@ -371,11 +379,23 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     batch (``sft.batch_size``): they must be a multiple of microbatches x shards (otherwise a
     microbatch has a remainder or fewer rows than devices, which XLA replicates: "Involuntary
     full rematerialization"). Packed, the row count is rounded up to such a multiple, so only a
-    multiple above the number of sequences (rows that could only be padding) is refused.
+    multiple above the number of sequences (rows that could only be padding) is refused. A token
+    budget (``rl.max_tokens_per_microbatch``) must hold one row per batch shard, each row at
+    least ``rl.max_tokens_per_row`` positions (longer rows are refused at the step that packs
+    them, by ``rollout.budget_rows``).
     """
     shards = step_lib.batch_shard_count(mesh)
     where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
     rl, sft = cfg.rl, cfg.sft
+    budget = rl.max_tokens_per_microbatch
+    if budget is not None and rl.algo != "none" and rl.steps > 0:
+        least = shards * (rl.max_tokens_per_row or 1)
+        if budget < least:
+            raise configlib.ConfigKeyError(
+                f"rl.max_tokens_per_microbatch={budget} is less than one row of "
+                f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
+                f"x {shards} batch shards ({where}) = {least}"
+            )
     phases = []
     if rl.algo in config_lib.PREFERENCE_ALGOS and rl.steps > 0:
         # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
@@ -602,6 +622,30 @@ class Trainer:
         _, shardings = abstract_state(self.algorithm, self.params_shape, self.mesh)
         self.state = jax.device_put(self.algorithm.init(params, rng), shardings)
         self.compiled = step_lib.CompiledAlgorithm(self.algorithm, self.mesh, shardings)
+        self._phase, self._shardings = phase, shardings
+        # The phase's records by microbatch count (``compiled_for``): the configured one now.
+        self._compiled = {self.algorithm.rollout_spec.num_microbatches: self.compiled}
+
+    def compiled_for(self, microbatches: int | None = None) -> step_lib.CompiledAlgorithm:
+        """The phase's prepare/update compiled for ``microbatches`` (default: the configured
+        count). A token budget picks the count per step from a few buckets; each count's record
+        is built on first use and kept, and all of them share ``self.state``: the count changes
+        how a batch is cut, not the state's shapes or shardings."""
+        if microbatches is None:
+            return self.compiled
+        if microbatches not in self._compiled:
+            algorithm = make_algorithm(
+                self.cfg,
+                self._phase,
+                self.graphdef,
+                self.params_shape,
+                self.mesh,
+                microbatches=microbatches,
+            )
+            self._compiled[microbatches] = step_lib.CompiledAlgorithm(
+                algorithm, self.mesh, self._shardings
+            )
+        return self._compiled[microbatches]
 
     def _make_iterator(self):
         cfg = self.cfg
@@ -840,15 +884,43 @@ class Trainer:
             max_length=self.model_cfg.max_position_embeddings,
         )
 
-    def prepare(self, rollouts):
-        fields = algorithm_lib.select_fields(rollouts, self.algorithm.rollout_spec)
-        batch, metrics = self.compiled.prepare(self.state, fields)
+    def fit_budget(self, rollouts):
+        """(rollouts, microbatches) of the step: with ``rl.max_tokens_per_microbatch``, the
+        packed rows trimmed of their all-padding tail and padded again with all-padding rows to
+        the row count that ``rollout.budget_rows`` chooses with the count; without, unchanged,
+        in ``rl.microbatches``. Multi-process: the count is chosen from the processes' common
+        share shape (``step.agree_local_shapes``), so every process runs the same program."""
+        rl = self.cfg.rl
+        if rl.max_tokens_per_microbatch is None:
+            return rollouts, rl.microbatches
+        used = max(rollout.used_rows(rollouts), 1)
+        rollouts = jax.tree.map(lambda x: np.asarray(x)[:used], rollouts)
+        blocks = 1
+        if self.compiled.local_rows:
+            rollouts = step_lib.agree_local_shapes(rollouts)
+            blocks = step_lib.process_row_block(self.mesh)[1]
+        rows, length = np.shape(rollouts.input_ids)
+        total, n = rollout.budget_rows(
+            rows * blocks,
+            length,
+            rl.max_tokens_per_microbatch,
+            shards=batch_shards(self.mesh),
+            key="rl.max_tokens_per_microbatch",
+        )
+        # Rows per microbatch are a multiple of the batch shards, so of the process blocks too.
+        return step_lib.pad_rows(rollouts, total // blocks, length), n
+
+    def prepare(self, rollouts, microbatches: int | None = None):
+        compiled = self.compiled_for(microbatches)
+        fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
+        batch, metrics = compiled.prepare(self.state, fields)
         return jax.block_until_ready(batch), metrics
 
-    def update(self, batch):
+    def update(self, batch, microbatches: int | None = None):
+        compiled = self.compiled_for(microbatches)
         metrics = {}
         for _ in range(self.cfg.rl.epochs_per_step):
-            self.state, metrics = self.compiled.update(self.state, batch)
+            self.state, metrics = compiled.update(self.state, batch)
         return metrics
 
     def sync(self):
@@ -884,10 +956,15 @@ class Trainer:
             scores, grading_stats = self.grade(problems, completions)
         with timer.phase("shape"):
             rollouts, out = self.shape(prompts, completions, scores)
+            rollouts, microbatches = self.fit_budget(rollouts)
+        out["tokens/microbatches"] = microbatches
+        if self.cfg.rl.max_tokens_per_microbatch is not None:  # the rows fit_budget chose
+            out["tokens/batch_shape_B"] = int(np.shape(rollouts.input_ids)[0])
+            out["tokens/padding_fraction"] = 1.0 - float(np.mean(rollouts.attention_mask))
         with timer.phase("logprobs"):
-            batch, prepare_m = self.prepare(rollouts)
+            batch, prepare_m = self.prepare(rollouts, microbatches)
         with timer.phase("update"):
-            update_m = self.update(batch)
+            update_m = self.update(batch, microbatches)
             update_m, prepare_m = jax.device_get((update_m, prepare_m))
         if k:
             # The one place the trainer waits for rollouts: step t + k's batch must be finished by

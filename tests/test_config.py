@@ -55,6 +55,9 @@ def test_dotted_overrides():
     assert cfg.rl.group_size == 4
     assert cfg.rl.loss.clip_eps_high == 0.28
     assert cfg.sampler.stop == ()
+    assert cfg.rl.max_tokens_per_microbatch is None  # a fixed rl.microbatches by default
+    budget = config_lib.load_config("configs/demo.yaml", ["rl.max_tokens_per_microbatch=4096"])
+    assert budget.rl.max_tokens_per_microbatch == 4096
     sep = config_lib.load_config("configs/demo.yaml", ["rl.ppo.trunk=separate"])
     assert sep.rl.ppo.trunk == "separate"
 

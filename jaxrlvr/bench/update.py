@@ -136,7 +136,8 @@ def make_r1zero_batch(shape: Shape, vocab_size: int, *, packed: bool, seed: int 
     if packed:
         probe = rollout.pack(prompts, comps, pad_id=0, segments=True, length=shape.seq)
         rows = int(probe.attention_mask.any(axis=1).sum())
-        batch_rows, n = rollout.budget_rows(rows, shape.batch // shape.microbatches)
+        budget = shape.seq * (shape.batch // shape.microbatches)  # the reference's positions
+        batch_rows, n = rollout.budget_rows(rows, shape.seq, budget)
         p = rollout.pack(
             prompts, comps, pad_id=0, segments=True, length=shape.seq, batch_size=batch_rows
         )
