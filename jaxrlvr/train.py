@@ -795,7 +795,7 @@ class Trainer:
                 return
             if self.loop.sft_step % cfg.checkpoint.every == 0:
                 self._save()
-        self.sampler.update_weights(self.state.params)
+        self.sampler.update_weights(self.sampler_weights())
         ev = self._evaluate()
         self.loop.eval_after_sft = ev
         self._log(self.global_step, {**last, **ev})
@@ -923,8 +923,21 @@ class Trainer:
             self.state, metrics = compiled.update(self.state, batch)
         return metrics
 
+    def sampler_weights(self):
+        """The policy parameters to hand to the sampler. The update donates the state's
+        buffers; with ``rl.max_staleness`` > 0 the producer thread may still start a generation
+        on the previous weights after the next update has begun, so a JAX sampler that shares
+        the trainer's devices gets its own copy (one parameter set of memory) instead of the
+        state's buffers, which the donation deletes. A sampler on a sub-mesh of its own
+        (``sampler.jax_devices``) copies in ``update_weights``, and a vLLM export reads the
+        weights to the host before it returns."""
+        s = self.cfg.sampler
+        if self.cfg.rl.max_staleness > 0 and s.kind == "jax" and s.jax_devices == 0:
+            return jax.tree.map(lambda x: x.copy(), self.state.params)
+        return self.state.params
+
     def sync(self):
-        return self.sampler.update_weights(self.state.params, version=self.loop.rl_step + 1)
+        return self.sampler.update_weights(self.sampler_weights(), version=self.loop.rl_step + 1)
 
     def rl_step(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -1133,7 +1146,7 @@ class Trainer:
                 self._log(0, self.loop.eval_after_sft)
             if cfg.rl.algo != "none" and not stop.requested:
                 # Version = updates applied so far: the versions the completions carry.
-                self.sampler.update_weights(self.state.params, version=self.loop.rl_step)
+                self.sampler.update_weights(self.sampler_weights(), version=self.loop.rl_step)
                 offline = cfg.rl.algo in config_lib.PREFERENCE_ALGOS
                 step = self.preference_step if offline else self.rl_step
                 while self.loop.rl_step < cfg.rl.steps:

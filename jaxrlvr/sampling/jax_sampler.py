@@ -383,11 +383,7 @@ class JaxSampler:
         lengths, stopped = lengths[: len(rows)].tolist(), stopped[: len(rows)].tolist()
         all_ids = [row[:k] for row, k in zip(tokens[: len(rows)].tolist(), lengths)]
         all_lp = [row[:k] for row, k in zip(logps[: len(rows)].tolist(), lengths)]
-        texts = (
-            self.tokenizer.batch_decode(all_ids, skip_special_tokens=True)
-            if self.tokenizer is not None
-            else [""] * len(rows)
-        )
+        texts = self._decode_all(all_ids)
         for r in range(len(rows)):
             ids = all_ids[r]
             lp = all_lp[r] if sampling_params.logprobs else []
@@ -501,6 +497,16 @@ class JaxSampler:
             else:
                 out[k] = jax.device_put(v, sh)
         return out
+
+    def _decode_all(self, rows: list[list[int]]) -> list[str]:
+        """Every row's text: one ``batch_decode`` call where the tokenizer has one (Hugging
+        Face tokenizers: a single call into the Rust decoder), else row by row."""
+        if self.tokenizer is None:
+            return [""] * len(rows)
+        batch = getattr(self.tokenizer, "batch_decode", None)
+        if batch is None:
+            return [self._decode(ids) for ids in rows]
+        return batch(rows, skip_special_tokens=True)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -138,7 +138,13 @@ def test_vocab_parallel_head_on_a_mesh():
 
     ref = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, False), (0, 1), has_aux=True))
     got = jax.jit(jax.value_and_grad(lambda h, w: f(h, w, True), (0, 1), has_aux=True))
-    _assert_close(got(hidden, weight), ref(hidden, weight))
+    (loss, aux), grads = got(hidden, weight)
+    (loss_ref, aux_ref), grads_ref = ref(hidden, weight)
+    # Per-token values and gradients: 1e-6. The scalar loss sums every position's terms (~30 in
+    # magnitude) in a different order on 8 shards than in one program: float32 rounding of such
+    # a sum reaches ~1e-6 relative (4.6e-5 absolute measured once), so it gets rtol 1e-5.
+    _assert_close((aux, grads), (aux_ref, grads_ref))
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
     one_shard = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     assert logprobs_lib.vocab_parallel_head(lambda: weight, one_shard, jnp.float32) is None
     assert logprobs_lib.vocab_parallel_head(lambda: weight[:23], mesh, jnp.float32) is None
