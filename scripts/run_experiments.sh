@@ -9,7 +9,7 @@
 #   SEEDS="0 1 2" repeats each RL run per seed (run.seed; output runs/experiments/NAME_sK for
 #   seeds other than 0; the warm starts stay at seed 0).
 # Outputs: runs/experiments/{sft,sft_hf,r1_zero_sft,r1_zero_sft_hf,NAME}, runs/experiments/plots/,
-# runs/experiments/table.md. About 1.5 h on a quiet 2-core CPU (each RL run ~8 min).
+# runs/experiments/table.md. About 45 min on a 2-core CPU (each RL run 3-6 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(scripts/setup_env.sh | tail -n1)
