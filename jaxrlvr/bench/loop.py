@@ -148,7 +148,8 @@ def run_jaxrlvr(
 def run_trl(
     row: Row, config: str, sets: list[str], warm: str, steps: int, out: str, eval_every: int = 0
 ) -> dict:
-    """TRL's GRPOTrainer (``bench.trl_peer``) from the warm start, in its own process."""
+    """TRL's GRPOTrainer (``bench.trl_peer``) from the warm start, in its own process. It is
+    evaluated once, at the end (``eval_every`` is the runners' common signature, unused here)."""
     run_dir = os.path.join(out, row.label)
     os.makedirs(run_dir, exist_ok=True)
     record_path = os.path.join(run_dir, "record.json")
