@@ -13,10 +13,12 @@ it with donation and explicit shardings. Inside one call:
    gradient and metrics. Every loss is "sum of per-row terms / global denominator", so the sum
    equals the full-batch gradient exactly (up to float summation order). Microbatch j holds rows
    j, j + n, j + 2n, ...: with the batch sharded in contiguous blocks over ('data', 'fsdp'), every
-   microbatch stays spread over all data shards without any data movement;
+   microbatch stays spread over all data shards without any data movement. The scanned
+   (remat) layers and the chunked head add their gradient into the accumulator in place
+   (``model.grad_sink``), so no microbatch's whole gradient exists beside it;
 3. the optax chain (``optim.make_optimizer``: global-norm clipping, AdamW, schedule) is applied;
 4. if the loss or the pre-clip gradient norm is not finite, the whole state (step, params,
-   optimiser state, rng, critic) is returned unchanged and ``metrics["nonfinite"] = 1``;
+   optimiser state, rng, critic) is returned unchanged (a ``lax.cond`` around the optimiser) and ``metrics["nonfinite"] = 1``;
    ``step.jit_update(on_nonfinite="raise")`` turns that into a host-side error.
 
 Metrics are float32 scalars: ``loss``, ``policy_loss``, ``pg_loss``, ``kl_loss``, ``kl``,
@@ -51,6 +53,7 @@ from flax import nnx
 from jaxrlvr.algos import aggregation, gae, kl, loss_config, policy_loss, segments, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import grad_sink
 from jaxrlvr.model import logprobs as logprobs_lib
 from jaxrlvr.model import sharding
 
@@ -193,12 +196,17 @@ def token_logprobs_from_hidden(
     chunks outside it in every row skip the head."""
     head = lm.lm_logits
     if chunk_size is not None:
+        tied = lm.lm_head is None
         head = (
             logprobs_lib.vocab_parallel_head(
-                functools.partial(_lm_head_weight_vd, lm), lm.mesh, lm.config.compute_dtype
+                lm.config.vocab_size,
+                lm.mesh,
+                lm.config.compute_dtype,
+                (lambda w: w) if tied else (lambda w: w.T),
             )
             or head
         )
+    # The weight goes in explicitly: inside a grad_sink its gradient accumulates in place.
     return logprobs_lib.logprobs_from_hidden(
         hidden_btd,
         head,
@@ -206,14 +214,8 @@ def token_logprobs_from_hidden(
         chunk_size=chunk_size,
         entropy_grad=entropy_grad,
         mask_bt=mask_bt,
+        weight=lm.lm_head_weight(),
     )
-
-
-def _lm_head_weight_vd(lm: Any) -> jax.Array:
-    """The output projection as [V, D] (the tied embedding, or the lm_head kernel transposed)."""
-    if lm.lm_head is None:
-        return lm.model.embed_tokens.embedding.get_value()
-    return lm.lm_head.kernel.get_value().T
 
 
 def token_logprobs(
@@ -279,16 +281,32 @@ def accumulate_gradients(
 
     ``loss_fn(diff_params, microbatch) -> (loss share, metrics)`` must already divide by the
     full-batch denominator; metrics combine by ``policy_loss.accumulate_metrics`` (sum, or
-    max/min for ``_max``/``_min`` keys).
+    max/min for ``_max``/``_min`` keys). The loss runs inside a ``grad_sink.sink``: leaves the
+    model claims come back from ``jax.grad`` already added to the accumulator, the rest are
+    added here.
     """
-    grad_fn = jax.grad(loss_fn, has_aux=True)
     first = jax.tree.map(lambda x: x[0], microbatches)
     metrics_shape = jax.eval_shape(lambda p, mb: loss_fn(p, mb)[1], diff_params, first)
 
     def body(carry, mb):
         g_acc, m_acc = carry
-        g, m = grad_fn(diff_params, mb)
-        g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+        claimed: set = set()
+
+        def sunk_loss(p, mb):
+            # The scanned layers and the chunked head add into g_acc in place (grad_sink).
+            with grad_sink.sink(p, g_acc) as c:
+                out = loss_fn(p, mb)
+            claimed.update(c)
+            return out
+
+        g, m = jax.grad(sunk_loss, has_aux=True)(diff_params, mb)
+        g_acc = jax.tree_util.tree_map_with_path(
+            lambda path, a, b: (
+                b if jax.tree_util.keystr(path) in claimed else a + b.astype(a.dtype)
+            ),
+            g_acc,
+            g,
+        )
         return (g_acc, policy_loss.accumulate_metrics(m_acc, m)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), diff_params)
@@ -316,28 +334,39 @@ def _finish(
 ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
     """Apply the optimiser(s), guard against non-finite steps, and finalise the metrics."""
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    new_rng, _ = jax.random.split(state.rng)
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=new_rng)
     out = policy_loss.finalize_metrics(metrics)
     if value_grads is not None:
         value_grad_norm = optax.tree.norm(value_grads)
-        v_updates, v_opt = value_tx.update(value_grads, state.value_opt_state, state.value_params)
-        new = new.replace(
-            value_params=optax.apply_updates(state.value_params, v_updates), value_opt_state=v_opt
-        )
         ok = ok & jnp.isfinite(value_grad_norm)
         out["value_grad_norm"] = value_grad_norm
-    # Select leaf by leaf: a non-finite step leaves every array of the state as it was. The
-    # frozen reference params never change, so they pass through (no select, no copy).
+
+    def step(state):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        new_rng, _ = jax.random.split(state.rng)
+        new = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            rng=new_rng,
+        )
+        if value_grads is not None:
+            v_updates, v_opt = value_tx.update(
+                value_grads, state.value_opt_state, state.value_params
+            )
+            new = new.replace(
+                value_params=optax.apply_updates(state.value_params, v_updates),
+                value_opt_state=v_opt,
+            )
+        return new
+
+    # A non-finite step leaves every array of the state as it was. A branch, not a select per
+    # leaf: the select reads the old optimiser moments after the donated buffers are rewritten,
+    # so XLA keeps copies of them (one float32 copy of the parameters' size at the peak).
+    # The frozen reference params never change and pass around the branch.
     frozen = state.ref_params
-    new = jax.tree.map(
-        lambda n, o: jnp.where(ok, n, o),
-        new.replace(ref_params=None),
-        state.replace(ref_params=None),
-    ).replace(ref_params=frozen)
+    new = jax.lax.cond(ok, step, lambda s: s, state.replace(ref_params=None))
+    new = new.replace(ref_params=frozen)
     out["grad_norm"] = grad_norm
     lr = _learning_rate(lr_schedule, state.step)
     if lr is not None:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrlvr.model import sharding
+from jaxrlvr.model import grad_sink, sharding
 
 _f32 = jnp.float32
 
@@ -88,12 +88,14 @@ def logprobs_from_hidden(
     chunk_size: int | None = None,
     entropy_grad: bool = False,
     mask_bt: jax.Array | None = None,
+    weight: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(log p(label), entropy), float32 [B, T], from final hidden states, in position chunks.
 
     Args:
       hidden_btd: [B, T, D] final hidden states (after the last norm).
-      lm_head_fn: [B, C, D] -> [B, C, V] logits (e.g. ``Qwen2ForCausalLM.lm_logits``). It is
+      lm_head_fn: [B, C, D] -> [B, C, V] logits (e.g. ``Qwen2ForCausalLM.lm_logits``), called
+        as ``lm_head_fn(h)``, or ``lm_head_fn(h, weight)`` when ``weight`` is given. It is
         called inside the chunk loop, so any weights it reads (and casts) are captured whole and
         their gradient accumulates in their own (float32 master) dtype.
       labels_bt: [B, T] integer labels.
@@ -103,7 +105,15 @@ def logprobs_from_hidden(
       mask_bt: optional [B, T] (nonzero: a position the caller reads, e.g. the loss mask). Both
         outputs are 0 where it is 0, and a chunk where it is 0 in every row skips the lm_head
         (``lax.cond``): the prompt and padding chunks of right-padded rows cost nothing.
+      weight: the head's weight (the float32 master array ``lm_head_fn`` reads), passed
+        explicitly so that, chunked inside an open ``grad_sink.sink`` that offers it an
+        accumulator, each chunk's weight gradient is added into that accumulator in place
+        (``grad_sink.map_chunks``) instead of into a loop carry of its own.
     """
+
+    def head(h, w):
+        return lm_head_fn(h) if w is None else lm_head_fn(h, w)
+
     b, t = labels_bt.shape
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"logprob chunk_size must be None or >= 1, got {chunk_size!r}")
@@ -113,7 +123,7 @@ def logprobs_from_hidden(
         return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
     if chunk_size is None or chunk_size >= t:
-        out = logprobs_and_entropy(lm_head_fn(hidden_btd), labels_bt, entropy_grad=entropy_grad)
+        out = logprobs_and_entropy(head(hidden_btd, weight), labels_bt, entropy_grad=entropy_grad)
         return out if mask_bt is None else masked(*out, keep)
     n = -(-t // chunk_size)
     pad = n * chunk_size - t
@@ -126,21 +136,29 @@ def logprobs_from_hidden(
     lab = labels_bt.reshape(b, n, chunk_size).swapaxes(0, 1)
     kp = keep.reshape(b, n, chunk_size).swapaxes(0, 1)
 
-    def compute(h_c, l_c, k_c):
-        return masked(*logprobs_and_entropy(lm_head_fn(h_c), l_c, entropy_grad=entropy_grad), k_c)
+    def compute(h_c, l_c, k_c, w=weight):
+        return masked(*logprobs_and_entropy(head(h_c, w), l_c, entropy_grad=entropy_grad), k_c)
 
     def skip(h_c, l_c, k_c):
         zeros = jnp.zeros(l_c.shape, _f32)
         return zeros, zeros
 
-    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def one(xs):
-        h_c, l_c, k_c = xs
-        if mask_bt is None:
-            return compute(h_c, l_c, k_c)
-        return jax.lax.cond(jnp.any(k_c), compute, skip, h_c, l_c, k_c)
+    acc = None if weight is None else grad_sink.claim(weight)
+    if acc is not None:
+        active = jnp.any(kp, axis=(1, 2))
+        logp, ent = grad_sink.map_chunks(
+            lambda w, h_c, lk: compute(h_c, *lk, w=w), weight, acc, h, (lab, kp), active
+        )
+    else:
 
-    logp, ent = jax.lax.map(one, (h, lab, kp))
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+        def one(xs):
+            h_c, l_c, k_c = xs
+            if mask_bt is None:
+                return compute(h_c, l_c, k_c)
+            return jax.lax.cond(jnp.any(k_c), compute, skip, h_c, l_c, k_c)
+
+        logp, ent = jax.lax.map(one, (h, lab, kp))
 
     def merge(x):
         return x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
@@ -149,11 +167,14 @@ def logprobs_from_hidden(
 
 
 def vocab_parallel_head(
-    weight_vd_fn: Callable[[], jax.Array], mesh: Mesh | None, dtype
-) -> Callable[[jax.Array], jax.Array] | None:
-    """An lm_head for ``logprobs_from_hidden`` that splits the vocabulary, not the rows, over
-    the batch shards ('data', 'fsdp'); None where it does not apply (no mesh, one batch shard,
-    or V not divisible by the shards).
+    vocab_size: int,
+    mesh: Mesh | None,
+    dtype,
+    weight_vd_fn: Callable[[jax.Array], jax.Array] = lambda w: w,
+) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
+    """An lm_head ``head(h_bcd, weight)`` for ``logprobs_from_hidden`` (pass ``weight=``) that
+    splits the vocabulary, not the rows, over the batch shards ('data', 'fsdp'); None where it
+    does not apply (no mesh, one batch shard, or V not divisible by the shards).
 
     With rows over the batch shards and an FSDP-sharded [V, D] weight, the plain head gathers
     the whole weight on every device and builds its gradient as a whole float32 [V, D] buffer
@@ -165,10 +186,12 @@ def vocab_parallel_head(
     product accumulated in float32).
 
     Args:
-      weight_vd_fn: () -> the float32 master weight as [V, D], read inside the chunk loop (so its
-        gradient accumulates in float32).
+      vocab_size: V.
       mesh: the device mesh, or None.
       dtype: the compute dtype of the product.
+      weight_vd_fn: the float32 master weight as passed -> [V, D] (e.g. a transpose of an
+        lm_head kernel [D, V]); applied inside the chunk loop, so the gradient of the weight
+        accumulates in float32.
     """
     if mesh is None:
         return None
@@ -176,12 +199,12 @@ def vocab_parallel_head(
     shards = 1
     for a in axes:
         shards *= mesh.shape[a]
-    if shards == 1 or weight_vd_fn().shape[0] % shards:  # (an unused read: traced away)
+    if shards == 1 or vocab_size % shards:
         return None
     vocab = axes if len(axes) > 1 else axes[0]
 
-    def head(h_bcd: jax.Array) -> jax.Array:
-        w_vd = weight_vd_fn().astype(dtype)
+    def head(h_bcd: jax.Array, weight: jax.Array) -> jax.Array:
+        w_vd = weight_vd_fn(weight).astype(dtype)
         w_vd = jax.lax.with_sharding_constraint(w_vd, NamedSharding(mesh, PartitionSpec(vocab)))
         h = jax.lax.with_sharding_constraint(
             h_bcd.astype(dtype), NamedSharding(mesh, PartitionSpec())

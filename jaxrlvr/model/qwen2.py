@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrlvr.model import sharding
+from jaxrlvr.model import grad_sink, sharding
 from jaxrlvr.model.config import ModelConfig
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -323,9 +323,13 @@ def _decoder_layer(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index):
+def _run_layers(
+    graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index, grad_acc
+):
     """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
-    ``cfg.scan_layers`` is False. One-token decode (a cache and T = 1) always runs unrolled on
+    ``cfg.scan_layers`` is False. With ``grad_acc`` (accumulators claimed from a
+    ``grad_sink.sink``; training forward only) the scan is ``grad_sink.scan_layers``: the
+    gradient of ``stacked`` comes back already added to ``grad_acc``. One-token decode (a cache and T = 1) always runs unrolled on
     the per-layer caches: a scan would copy every layer's cache into its stacked output at every
     step, where the unrolled loop updates one slot of each in place.
 
@@ -340,6 +344,16 @@ def _run_layers(graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_
         x, k_l, v_l = _decoder_layer(layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh)
         return x, (k_l, v_l)
 
+    if grad_acc is not None:
+
+        def layer_fn(layer_state, h, consts):
+            layer = nnx.merge(graphdef, layer_state)
+            return _decoder_layer(layer, cfg, h, *consts, None, None, cache_index, mesh)[0]
+
+        return grad_sink.scan_layers(layer_fn, x, stacked, grad_acc, (cos, sin, mask_bts)), (
+            None,
+            None,
+        )
     if cfg.remat and k_cache is None:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     if k_cache is None:
@@ -433,20 +447,30 @@ class Qwen2ForCausalLM(nnx.Module):
 
         graphdef, stacked = nnx.split(self.model.layers)
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
+        # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack.
+        fused = cache is None and cfg.scan_layers and cfg.remat
+        grad_acc = grad_sink.claim(stacked) if fused else None
         x, (k_new, v_new) = _run_layers(
-            graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, *kv_in, cache_index
+            graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, *kv_in, cache_index, grad_acc
         )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
         return x, new_cache
 
-    def lm_logits(self, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default)."""
-        cd = self.config.compute_dtype
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection's stored (master) array: the tied embedding [V, D], or the
+        lm_head kernel [D, V]."""
         if self.lm_head is None:
-            w = self.model.embed_tokens.embedding.get_value().astype(cd).T
-        else:
-            w = self.lm_head.kernel.get_value().astype(cd)
+            return self.model.embed_tokens.embedding.get_value()
+        return self.lm_head.kernel.get_value()
+
+    def lm_logits(self, hidden: jax.Array, weight: jax.Array | None = None, dtype=jnp.float32):
+        """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default).
+        ``weight``: ``lm_head_weight()`` passed explicitly (default: read here)."""
+        cd = self.config.compute_dtype
+        w = (self.lm_head_weight() if weight is None else weight).astype(cd)
+        if self.lm_head is None:
+            w = w.T
         logits = dense(hidden.astype(cd), w, 1, preferred_element_type=dtype)
         return sharding.constrain(logits.astype(dtype), ("batch", "seq", "vocab"), self.mesh)
 

@@ -125,14 +125,15 @@ def test_vocab_parallel_head_on_a_mesh():
     wt = jnp.asarray(rng.uniform(size=(b, t)).astype(np.float32))
 
     def f(h, w, parallel):
-        head = logprobs_lib.vocab_parallel_head(lambda: w, mesh, jnp.float32) if parallel else None
+        head = logprobs_lib.vocab_parallel_head(v, mesh, jnp.float32) if parallel else None
         assert (head is not None) == parallel
         logp, ent = logprobs_lib.logprobs_from_hidden(
             h,
-            head or (lambda x: x @ w.T),
+            head or (lambda x, w: x @ w.T),
             labels,
             chunk_size=4 if parallel else None,
             entropy_grad=True,
+            weight=w,
         )
         return jnp.sum(logp * wt) + jnp.sum(ent), (logp, ent)
 
@@ -146,8 +147,8 @@ def test_vocab_parallel_head_on_a_mesh():
     _assert_close((aux, grads), (aux_ref, grads_ref))
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
     one_shard = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    assert logprobs_lib.vocab_parallel_head(lambda: weight, one_shard, jnp.float32) is None
-    assert logprobs_lib.vocab_parallel_head(lambda: weight[:23], mesh, jnp.float32) is None
+    assert logprobs_lib.vocab_parallel_head(v, one_shard, jnp.float32) is None
+    assert logprobs_lib.vocab_parallel_head(23, mesh, jnp.float32) is None
 
 
 def test_masked_chunks_are_skipped_and_exact_on_the_mask():
