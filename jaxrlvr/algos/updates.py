@@ -18,7 +18,8 @@ it with donation and explicit shardings. Inside one call:
    (``model.grad_sink``), so no microbatch's whole gradient exists beside it;
 3. the optax chain (``optim.make_optimizer``: global-norm clipping, AdamW, schedule) is applied;
 4. if the loss or the pre-clip gradient norm is not finite, the whole state (step, params,
-   optimiser state, rng, critic) is returned unchanged (a ``lax.cond`` around the optimiser) and ``metrics["nonfinite"] = 1``;
+   optimiser state, rng, critic) is returned unchanged (a ``lax.cond`` around the optimiser)
+   and ``metrics["nonfinite"] = 1``;
    ``step.jit_update(on_nonfinite="raise")`` turns that into a host-side error.
 
 Metrics are float32 scalars: ``loss``, ``policy_loss``, ``pg_loss``, ``kl_loss``, ``kl``,
@@ -41,7 +42,6 @@ Not here: rollouts, rewards and advantages for GRPO (the driver computes them wi
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +53,8 @@ from flax import nnx
 from jaxrlvr.algos import aggregation, gae, kl, loss_config, policy_loss, segments, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import state as state_lib
-from jaxrlvr.model import grad_sink
+from jaxrlvr.model import grad_sink, sharding
 from jaxrlvr.model import logprobs as logprobs_lib
-from jaxrlvr.model import sharding
 
 _f32 = jnp.float32
 LRSchedule = optax.Schedule | float | None

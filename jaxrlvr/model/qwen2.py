@@ -329,9 +329,10 @@ def _run_layers(
     """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
     ``cfg.scan_layers`` is False. With ``grad_acc`` (accumulators claimed from a
     ``grad_sink.sink``; training forward only) the scan is ``grad_sink.scan_layers``: the
-    gradient of ``stacked`` comes back already added to ``grad_acc``. One-token decode (a cache and T = 1) always runs unrolled on
-    the per-layer caches: a scan would copy every layer's cache into its stacked output at every
-    step, where the unrolled loop updates one slot of each in place.
+    gradient of ``stacked`` comes back already added to ``grad_acc``. One-token decode (a cache
+    and T = 1) always runs unrolled on the per-layer caches: a scan would copy every layer's
+    cache into its stacked output at every step, where the unrolled loop updates one slot of
+    each in place.
 
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
