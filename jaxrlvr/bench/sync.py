@@ -4,7 +4,10 @@ For each shape, a random jaxrlvr Qwen2 is saved with `save_hf`, a CPU vLLM serve
 and the params are perturbed and synced `--repeats` times (each sync sends different weights, so
 nothing is skipped). Reports the median of each part (export, pause, reload, reset, resume,
 confirm, total) and checks after the last sync that the server reports the new version and still
-generates. Shapes: "ref" is the issue's reference shape (vocab 8192, hidden 256, intermediate 704,
+generates. The first sync writes a new file; later ones overwrite its tensors in place
+(``weight_export``'s ``in_place``), so ``all_in_place`` and the per-sync ``all_*`` lists show
+both, and ``bytes_written`` counts the untied ``lm_head`` copy that ``bytes`` (the parameters)
+does not. Shapes: "ref" is the issue's reference shape (vocab 8192, hidden 256, intermediate 704,
 4 layers, 4 heads, 2 KV heads, untied, float32, ~7M params); "50m" is a ~50M-param random model.
 
 Usage: ``jaxrlvr bench sync [--json PATH] [--vllm-python PATH] [--shapes ref,50m] [--repeats N]``
@@ -115,6 +118,9 @@ def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
         record[part] = statistics.median(r[part] for r in runs)
     record["export_plus_reload_s"] = statistics.median(r["export_s"] + r["reload_s"] for r in runs)
     record["all_total_s"] = [r["total_s"] for r in runs]
+    record["all_export_plus_reload_s"] = [r["export_s"] + r["reload_s"] for r in runs]
+    record["all_in_place"] = [bool(r["in_place"]) for r in runs]
+    record["bytes_written"] = runs[-1]["bytes_written"] if runs else 0.0
     return record
 
 

@@ -13,8 +13,9 @@ top-p), which is what truncated importance sampling needs. A server started by h
 flag returns pre-temperature logprobs; they are only equal at temperature 1 without top-k/top-p.
 
 Weight sync (`update_weights`), the disk route that works everywhere: export the NNX params as
-HF-named safetensors (same names as `save_hf`) to a tmpfs directory while every server runs
-``POST /pause?mode=wait`` (it waits for in-flight requests), then on every server
+HF-named safetensors (same names as `save_hf`; from the second step on, the same file's tensor
+bytes are overwritten in place, under every server's lock) to a tmpfs directory while every server
+runs ``POST /pause?mode=wait`` (it waits for in-flight requests), then on every server
 ``POST /collective_rpc {"method": "reload_weights", "kwargs":
 {"weights_path": DIR}}`` -> ``POST /reset_prefix_cache`` (without it, cached prompts keep their
 old-weight KV blocks) -> ``POST /update_weight_version`` -> ``POST /resume``, and confirm with
@@ -458,7 +459,8 @@ class VLLMSampler:
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
         """Exports `weights` and makes every server serve them; returns timings in seconds.
 
-        Keys: export_s (to_host_s + write_s), wait_inflight_s (waiting for this client's
+        Keys: export_s (to_host_s + write_s), in_place (1.0 when the export overwrote the
+        previous file's tensors in place), bytes_written, wait_inflight_s (waiting for this client's
         in-flight requests to finish on the old weights), pause_s, reload_s, reset_s, resume_s,
         confirm_s (slowest server for each part) and total_s. The export runs while in-flight
         requests finish. Raises `VLLMError` if a server fails or does not report the new version;
@@ -469,9 +471,15 @@ class VLLMSampler:
         t0 = time.perf_counter()
         if self.export_dir is None:
             self.export_dir = weight_export.default_export_dir()
-        timings = weight_export.export_weights(
-            self.cfg, weights, self.export_dir, dtype=self.export_dtype
-        )
+        # Every step after the first rewrites the file in place (no new tmpfs pages; see
+        # weight_export). Nothing may read it meanwhile: a restart of one of our servers (the only
+        # reader besides the reload below) runs under its target's lock, so hold them all.
+        with contextlib.ExitStack() as held:
+            for t in self._targets:
+                held.enter_context(t.lock)
+            timings = weight_export.export_weights(
+                self.cfg, weights, self.export_dir, dtype=self.export_dtype, in_place=True
+            )
         self._exported = True
         with self._gate.exclusive() as waited:
             # Server side, pausing waits for requests of other clients too.
@@ -486,6 +494,8 @@ class VLLMSampler:
             "export_s": timings["export_s"],
             "to_host_s": timings["to_host_s"],  # the export's split: device -> host in HF layout
             "write_s": timings["write_s"],  # and the safetensors write
+            "in_place": timings["in_place"],
+            "bytes_written": timings["bytes"],
             "wait_inflight_s": waited,
         }
         for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):

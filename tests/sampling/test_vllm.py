@@ -5,6 +5,7 @@ logprob agreement: 1e-4 absolute, float32 on both sides (vLLM float32 matched tr
 2e-6 here; the rest is summation order over a 512-token vocabulary).
 """
 
+import os
 import threading
 import time
 
@@ -140,6 +141,35 @@ def test_update_weights_is_live_and_resets_the_prefix_cache(
             sampled = ~np.asarray(c.forced)
             assert np.all(np.asarray(c.logprobs)[~sampled] == 0.0)
             assert np.max(np.abs(np.asarray(c.logprobs)[sampled] - r[sampled])) < ATOL
+
+        # The next sync overwrites the same file in place. That is only sound if the server kept
+        # no mapping of the file after its reload (else the overwrite would reach served weights).
+        assert timings["in_place"] == 0.0
+        assert not _processes_mapping(server, tmp_path / "model.safetensors")
+        _, third = random_params(cfg, seed=8)
+        again = s.update_weights(third, version=6)
+        state["params"] = third
+        assert again["in_place"] == 1.0 and s.live_versions() == ["6"]
+        out = s.generate(prompts, 2, params)
+        assert _max_gap(out, reference_logprobs(graphdef, third, prompts, out)) < ATOL
+        assert _max_gap(out, reference_logprobs(graphdef, new_params, prompts, out)) > 1e-2
+        assert not _processes_mapping(server, tmp_path / "model.safetensors")
+
+
+def _processes_mapping(server, file) -> list[int]:
+    """Processes of the server's group (API server, engine, workers) that map `file`."""
+    target = os.path.realpath(file)
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != server.pid:
+                continue
+            with open(f"/proc/{pid}/maps") as f:
+                if any(line.rstrip().endswith(target) for line in f):
+                    found.append(int(pid))
+        except (OSError, ProcessLookupError):
+            continue
+    return found
 
 
 def _generate_while_killing(sampler, server, prompts, n, params):

@@ -249,3 +249,30 @@ def test_server_command_has_the_flags_weight_sync_needs(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
     assert "XLA_FLAGS" not in env
     assert s.url == "http://127.0.0.1:1234" and not s.alive()
+
+
+def test_update_weights_exports_in_place_while_holding_every_servers_lock(
+    stubs, tmp_path, monkeypatch
+):
+    # The in-place export is only safe if no restart (which runs under a target's lock and reads
+    # the export directory) can run meanwhile: every target's lock is held during the export.
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_export(cfg, weights, directory, **kw):
+        seen["locked"] = [t.lock.locked() for t in sampler._targets]
+        seen["kw"] = kw
+        raise Stop
+
+    monkeypatch.setattr(vllm_sampler.weight_export, "export_weights", fake_export)
+    a, b = stubs(), stubs()
+    sampler = vllm_sampler.VLLMSampler(None, [a.url, b.url], export_dir=tmp_path)
+    try:
+        with pytest.raises(Stop):
+            sampler.update_weights({})
+        assert seen["locked"] == [True, True] and seen["kw"]["in_place"] is True
+        assert [t.lock.locked() for t in sampler._targets] == [False, False]  # released
+    finally:
+        sampler.close()

@@ -96,3 +96,82 @@ def test_later_exports_write_the_weights_alone(tmp_path, tiny):
     weight_export.export_weights(cfg, second, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == {"kept": True}
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_in_place_export_overwrites_the_same_file_with_the_new_weights(tmp_path, tiny):
+    # Every sync after the first rewrites the tensor bytes of the existing file (same inode, no
+    # temporary file) at the offsets its header gives; the result must load as the new weights.
+    cfg, first, second = tiny
+    assert weight_export.export_weights(cfg, first, tmp_path, in_place=True)["in_place"] == 0.0
+    file = tmp_path / "model.safetensors"
+    inode, size = file.stat().st_ino, file.stat().st_size
+    timings = weight_export.export_weights(cfg, second, tmp_path, in_place=True)
+    assert timings["in_place"] == 1.0 and timings["bytes"] == 4 * cfg.num_params()
+    assert file.stat().st_ino == inode and file.stat().st_size == size
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    written = safetensors.numpy.load_file(file)
+    expected = jmodel.hf_state_dict(cfg, second)
+    assert written.keys() == expected.keys()
+    for k, v in expected.items():
+        np.testing.assert_array_equal(written[k], v, err_msg=k)
+    # ...and back again: nothing of the first write is left over.
+    weight_export.export_weights(cfg, first, tmp_path, in_place=True)
+    written = safetensors.numpy.load_file(file)
+    for k, v in jmodel.hf_state_dict(cfg, first).items():
+        np.testing.assert_array_equal(written[k], v, err_msg=k)
+
+
+def test_in_place_export_of_a_tied_model_keeps_lm_head_equal_to_the_embedding(tmp_path, helpers):
+    cfg = helpers.tiny_model_config().replace(tie_word_embeddings=True)
+    first = nnx.state(jmodel.init_model(cfg, seed=5), nnx.Param)
+    second = nnx.state(jmodel.init_model(cfg, seed=6), nnx.Param)
+    weight_export.export_weights(cfg, first, tmp_path, in_place=True)
+    assert weight_export.export_weights(cfg, second, tmp_path, in_place=True)["in_place"] == 1.0
+    written = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    embed = jmodel.hf_state_dict(cfg, second)["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(written["model.embed_tokens.weight"], embed)
+    np.testing.assert_array_equal(written["lm_head.weight"], embed)
+
+
+def test_in_place_export_falls_back_to_a_new_file_when_the_layout_differs(tmp_path, tiny):
+    # Another dtype (other sizes and header), or a file that is not the export's: write anew.
+    cfg, first, second = tiny
+    weight_export.export_weights(cfg, first, tmp_path)
+    file = tmp_path / "model.safetensors"
+    timings = weight_export.export_weights(cfg, second, tmp_path, dtype="bfloat16", in_place=True)
+    assert timings["in_place"] == 0.0
+    written = safetensors.numpy.load_file(file)
+    expected = jmodel.hf_state_dict(cfg, second, dtype="bfloat16")
+    assert written["lm_head.weight"].dtype == expected["lm_head.weight"].dtype
+    np.testing.assert_array_equal(written["lm_head.weight"], expected["lm_head.weight"])
+
+    safetensors.numpy.save_file({"x": np.zeros(3, np.float32)}, file)
+    assert weight_export.export_weights(cfg, first, tmp_path, in_place=True)["in_place"] == 0.0
+    assert safetensors.numpy.load_file(file).keys() == jmodel.hf_state_dict(cfg, first).keys()
+    # A bfloat16 file rewritten in place with bfloat16 weights.
+    weight_export.export_weights(cfg, first, tmp_path, dtype="bfloat16")
+    again = weight_export.export_weights(cfg, second, tmp_path, dtype="bfloat16", in_place=True)
+    assert again["in_place"] == 1.0
+    np.testing.assert_array_equal(
+        safetensors.numpy.load_file(file)["lm_head.weight"], expected["lm_head.weight"]
+    )
+
+
+def test_overwrite_tensors_refuses_a_mismatch_and_writes_nothing(tmp_path):
+    file = tmp_path / "w.safetensors"
+    assert not weight_export.overwrite_tensors(file, {"a": np.ones(2, np.float32)})  # missing
+    safetensors.numpy.save_file({"a": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}, file)
+    before = file.read_bytes()
+    for bad in (
+        {"a": np.ones(4, np.float32)},  # a name missing
+        {"a": np.ones(4, np.float32), "b": np.ones(2, np.float16)},  # dtype
+        {"a": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)},  # shape
+        {"a": np.ones(4, np.float32), "b": np.ones(2, np.float32), "c": np.ones(1, np.float32)},
+    ):
+        assert not weight_export.overwrite_tensors(file, bad)
+        assert file.read_bytes() == before
+    new = {"a": np.arange(4, dtype=np.float32), "b": np.array([7.0, 8.0], np.float32)}
+    assert weight_export.overwrite_tensors(file, new)
+    back = safetensors.numpy.load_file(file)
+    np.testing.assert_array_equal(back["a"], new["a"])
+    np.testing.assert_array_equal(back["b"], new["b"])
