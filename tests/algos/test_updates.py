@@ -623,6 +623,27 @@ def test_bfloat16_compute_keeps_float32_master_weights():
 # Optimiser, configs.
 
 
+@pytest.mark.parametrize("scale", [0.01, 100.0])  # global norm below / above max_norm
+def test_clip_by_global_norm_matches_optax(scale):
+    """optim.clip_by_global_norm (one scalar factor, fused by XLA) gives optax's clipped
+    gradient to float32 rounding (1e-6 relative) and optax's (empty) state, so checkpoints of
+    the optimiser state keep their structure."""
+    rng = np.random.default_rng(0)
+    grads = {
+        "a": jnp.asarray(scale * rng.normal(size=(5, 3)).astype(np.float32)),
+        "b": jnp.asarray(scale * rng.normal(size=(7,)).astype(np.float32)),
+    }
+    ours, ref = optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    s_ours, s_ref = ours.init(grads), ref.init(grads)
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_ref)
+    got, _ = jax.jit(ours.update)(grads, s_ours)
+    want, _ = ref.update(grads, s_ref)
+    for k in grads:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=0)
+    if scale > 1:
+        assert abs(float(optax.tree.norm(got)) - 1.0) < 1e-6
+
+
 def test_schedules():
     const = optim.make_schedule(optim.OptimizerConfig(learning_rate=1.0, warmup_steps=4))
     np.testing.assert_allclose([float(const(s)) for s in (0, 2, 4, 100)], [0.0, 0.5, 1.0, 1.0])
