@@ -16,7 +16,10 @@ the value and to the gradient.
 hidden states, each chunk under ``jax.checkpoint`` inside ``lax.map``: only one chunk's
 [B, chunk, V] float32 logits exist at a time, in the forward pass and in the backward pass (which
 recomputes them), instead of the whole [B, T, V]. The same arithmetic per position, so values and
-gradients equal the unchunked ones up to float summation order.
+gradients equal the unchunked ones up to float summation order. Given the head's ``weight`` inside
+an open ``grad_sink.sink`` (the microbatched update), the loop is ``grad_sink.map_chunks``
+instead: the same recomputation, with each chunk's weight gradient added into the update's
+accumulator in place.
 
 ``vocab_parallel_head`` is the head to chunk with on a mesh whose batch is sharded: it splits
 the vocabulary of a chunk's logits over the batch shards instead of gathering the whole FSDP
