@@ -40,6 +40,12 @@ class GracefulStop:
     def __bool__(self) -> bool:
         return self.requested is not None
 
+    def should_stop(self, step: int) -> bool:
+        """Whether the loop stops after ``step`` (called at every step boundary, by every process
+        with the same ``step``): here, whether a signal arrived."""
+        del step
+        return self.requested is not None
+
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested is not None and name == self.requested:

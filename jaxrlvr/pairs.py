@@ -19,9 +19,9 @@ import os
 
 import numpy as np
 
+from jaxrlvr import builders, preflight, train
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr import preflight, train
 from jaxrlvr.rewards import grading, verifiers
 
 
@@ -74,13 +74,13 @@ def build_pairs(
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
     mesh = model_lib.make_mesh(cfg.mesh)
-    tokenizer = train.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg)
     if run_dir is None:
-        model = train.build_model(cfg, tokenizer, mesh)
+        model = builders.build_model(cfg, tokenizer, mesh)
     else:
         step, model = train.restore_policy(cfg, run_dir, mesh, tokenizer)
-        train.log(f"pairs: sampling from checkpoint step {step} of {run_dir}")
-    problems, _ = train.load_splits(cfg)
+        builders.log(f"pairs: sampling from checkpoint step {step} of {run_dir}")
+    problems, _ = builders.load_splits(cfg)
     problems = problems[: pairs_cfg.max_problems]
     reward_fn = verifiers.make_reward_fn(
         verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
@@ -89,10 +89,10 @@ def build_pairs(
     sampler = None
     k = pairs_cfg.k
     try:
-        sampler = train.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
-        texts = [train.render(cfg, p, tokenizer) for p in problems]
-        prompts = [train.encode(tokenizer, t) for t in texts]
-        params = train.sampling_params(cfg, tokenizer, seed=pairs_cfg.seed)
+        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
+        texts = [builders.render(cfg, p, tokenizer) for p in problems]
+        prompts = [builders.encode(tokenizer, t) for t in texts]
+        params = builders.sampling_params(cfg, tokenizer, seed=pairs_cfg.seed)
         completions = sampler.generate(prompts, k, params)
         truths = [p.answer for p in problems for _ in range(k)]
         scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)

@@ -21,7 +21,7 @@ started (its ``CUDA_VISIBLE_DEVICES``, or all of the host's); the first `apply` 
 in ``JAXRLVR_HOST_GPUS`` so that a second call (and ``jaxrlvr serve-vllm``) numbers them the same.
 
 On the CPU, with the embedded JAX sampler, or with servers given by URL, the plan changes
-nothing. Not here: starting the servers (``train.build_sampler``, ``sampling.vllm_server``).
+nothing. Not here: starting the servers (``builders.build_sampler``, ``sampling.vllm_server``).
 """
 
 from __future__ import annotations

@@ -28,13 +28,10 @@ batches are saved with every checkpoint. k = 0 is the synchronous loop, unchange
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import sys
 import threading
 import time
 from typing import Any
@@ -44,303 +41,27 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from jaxrlvr import async_rollouts, configlib, distributed, interrupt, placement, preflight, rollout
+from jaxrlvr import (
+    async_rollouts,
+    builders,
+    configlib,
+    distributed,
+    interrupt,
+    methods,
+    placement,
+    preflight,
+    rollout,
+)
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import loss_config, preference, updates
+from jaxrlvr.algos import loss_config, preference
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import iterators, loading, scratchpad, shards, synthetic, templates
-from jaxrlvr.data import tokenizer as tokenizer_lib
-from jaxrlvr.rewards import grading, verifiers
-from jaxrlvr.sampling import base as sampling_base
+from jaxrlvr.data import iterators, loading, shards, templates
 
-
-def log(msg: str) -> None:
-    print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Set-up
-
-
-def build_tokenizer(cfg: config_lib.TrainConfig):
-    source = cfg.model.tokenizer or cfg.model.path
-    if source == "char":
-        return tokenizer_lib.build_char_tokenizer()
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(source)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfig:
-    """The policy's architecture: the checkpoint's config.json, or the random model's shape."""
-    m = cfg.model
-    choices = dict(
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
-    )
-    if m.path is not None:
-        return model_lib.ModelConfig.from_json(os.path.join(m.path, "config.json"), **choices)
-    return model_lib.ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        tie_word_embeddings=m.tie_word_embeddings,
-        hf_config={
-            "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        **choices,
-    )
-
-
-def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2ForCausalLM:
-    """The policy with its weights: loaded from ``model.path`` or randomly initialised."""
-    m = cfg.model
-    if m.path is not None:
-        return model_lib.load_hf(
-            m.path,
-            dtype=m.dtype,
-            param_dtype=m.param_dtype,
-            mesh=mesh,
-            remat=m.remat,
-            scan_layers=m.scan_layers,
-        )
-    return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
-
-
-def abstract_model(model_cfg: model_lib.ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graph definition, params as ``jax.ShapeDtypeStruct``): the model's shape, no weights."""
-    abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(model_cfg, mesh=mesh))
-    return nnx.split(abstract, nnx.Param)
-
-
-def load_splits(
-    cfg: config_lib.TrainConfig, *, train: bool = True
-) -> tuple[list[loading.Problem], list[loading.Problem]]:
-    """(train problems, held-out problems); ``train=False`` skips reading the training split."""
-    d = cfg.data
-    if d.train == "synthetic":
-        return synthetic.make_splits(
-            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
-        )
-    if d.train == "scratchpad":
-        return scratchpad.make_splits(
-            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.scratchpad
-        )
-
-    def load(path, split):
-        data_cfg = loading.DataConfig(
-            path=path,
-            split=split,
-            question_field=d.question_field,
-            answer_field=d.answer_field,
-            solution_field=d.solution_field,
-            on_bad_row=d.on_bad_row,
-        )
-        problems, stats = loading.load_problems(data_cfg)
-        if stats.dropped:
-            log(f"{path}: kept {stats.kept} problems, dropped {stats.dropped} ({stats.reasons})")
-        if not problems:
-            raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
-        return problems
-
-    train_problems = load(d.train, d.split) if train else []
-    held_out = load(d.eval, d.eval_split) if d.eval else []
-    return train_problems, held_out
-
-
-def render(cfg: config_lib.TrainConfig, problem: loading.Problem, tokenizer) -> str:
-    return templates.render_prompt(cfg.data.template, problem.question, tokenizer)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def sampling_params(cfg: config_lib.TrainConfig, tokenizer, *, eval_mode=False, seed=None):
-    s = cfg.sampler
-    stop_ids, stop_strings = [], []
-    for text in s.stop:
-        ids = encode(tokenizer, text)
-        (stop_ids.append(ids[0]) if len(ids) == 1 else stop_strings.append(text))
-    return sampling_base.SamplingParams(
-        temperature=s.eval_temperature if eval_mode else s.temperature,
-        top_p=1.0 if eval_mode else s.top_p,
-        top_k=0 if eval_mode else s.top_k,
-        max_tokens=(s.eval_max_tokens or s.max_tokens) if eval_mode else s.max_tokens,
-        stop_token_ids=tuple(stop_ids),
-        stop=tuple(stop_strings),
-        seed=seed,
-        thinking_budget=s.thinking_budget,
-    )
-
-
-def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: str):
-    eos = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
-    if cfg.sampler.kind == "jax":
-        from jaxrlvr.sampling import jax_sampler
-
-        own = device_split(cfg)[1]
-        if own is not None:  # a sub-mesh of its own; update_weights copies the weights over
-            mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1), own)
-        return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
-    from jaxrlvr.sampling import vllm_sampler, vllm_server
-
-    s = cfg.sampler
-    plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
-    if s.vllm_urls:
-        shared = vllm_sampler.VLLMSampler(
-            model.config, list(s.vllm_urls), tokenizer, export_dtype=plan.dtype
-        )
-        # Given URLs are the job's one server group: process 0 pushes the weights.
-        if jax.process_count() > 1:
-            return distributed.ProcessSyncedSampler(shared, shared=True)
-        return shared
-    # Start our own servers on the current weights (one per GPU group of the placement); a server
-    # that dies is restarted on the latest weights. The model directory, which every step's
-    # export then overwrites, lives on tmpfs (/dev/shm) when there is one: a memory copy.
-    from jaxrlvr.sampling import weight_export
-
-    model_dir = weight_export.default_export_dir("jaxrlvr-vllm-model-")
-    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
-    weight_export.export_weights(
-        model.config, nnx.state(model, nnx.Param), model_dir, dtype=plan.dtype
-    )
-    tokenizer.save_pretrained(model_dir)
-    groups = plan.server_gpus or ((),) * s.vllm_num_servers
-    logs = [
-        os.path.join(run_dir, "vllm_server.log" if i == 0 else f"vllm_server_{i}.log")
-        for i in range(len(groups))
-    ]
-    log(f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})")
-    servers = [
-        vllm_server.VLLMServer(
-            model_dir,
-            python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
-            host=s.vllm_host,
-            allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
-            max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
-            dtype=plan.dtype,
-            device=plan.device,
-            gpus=gpus,
-            gpu_memory_utilization=plan.gpu_memory_utilization
-            or vllm_server.DEFAULT_GPU_MEMORY_UTILIZATION,
-            extra_args=s.vllm_extra_args,
-            log_path=log_path,
-            start=False,
-        )
-        for gpus, log_path in zip(groups, logs)
-    ]
-    vllm_server.start_servers(servers)
-    sampler = vllm_sampler.VLLMSampler(
-        model.config,
-        servers,
-        tokenizer,
-        restart_dead_servers=s.vllm_restart,
-        export_dir=model_dir,
-        export_dtype=plan.dtype,
-    )
-    # Started servers belong to this process (one server group per host): each process pushes
-    # the gathered weights to its own.
-    if jax.process_count() > 1:
-        return distributed.ProcessSyncedSampler(sampler, shared=False)
-    return sampler
-
-
-def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
-    """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
-    (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
-    both use every device."""
-    s = cfg.sampler
-    if s.kind != "jax" or s.jax_devices == 0:
-        return None, None
-    devices = jax.devices()
-    if s.jax_devices >= len(devices):
-        raise configlib.ConfigKeyError(
-            f"sampler.jax_devices={s.jax_devices}: the host has {len(devices)} devices, and the "
-            "trainer needs at least one"
-        )
-    return devices[: -s.jax_devices], devices[-s.jax_devices :]
-
-
-def make_algorithm(
-    cfg: config_lib.TrainConfig,
-    phase: str,
-    graphdef: nnx.GraphDef,
-    params_shape: nnx.State,
-    mesh,
-    *,
-    microbatches: int | None = None,
-) -> algorithm_lib.Algorithm:
-    """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
-    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's.
-
-    ``microbatches``: the RL record's microbatch count (default ``rl.microbatches``), for the
-    count a token budget chose (``rl.max_tokens_per_microbatch``); the state it inits has the
-    same shapes whatever the count."""
-    if phase == "sft" or cfg.rl.algo == "none":
-        sft_cfg = updates.SFTUpdateConfig(
-            num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
-        )
-        return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
-    rl = cfg.rl
-    microbatches = rl.microbatches if microbatches is None else microbatches
-    if rl.algo == "grpo":
-        grpo_cfg = updates.GRPOUpdateConfig(
-            loss=rl.policy_loss,
-            num_microbatches=microbatches,
-            logprob_chunk_size=rl.logprob_chunk_size,
-        )
-        return algorithm_lib.grpo(
-            graphdef,
-            cfg.optim,
-            grpo_cfg,
-            mesh=mesh,
-            epochs_per_batch=rl.epochs_per_step,
-            rollouts_may_be_stale=rl.max_staleness > 0,
-        )
-    if rl.algo == "ppo":
-        ppo_cfg = updates.PPOUpdateConfig(
-            loss=rl.policy_loss,
-            num_microbatches=microbatches,
-            logprob_chunk_size=rl.logprob_chunk_size,
-            **dataclasses.asdict(rl.ppo),
-        )
-        return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
-    if rl.algo in config_lib.PREFERENCE_ALGOS:
-        loss = preference.PreferenceLossConfig(
-            kind=rl.algo,
-            beta=cfg.pref.beta,
-            label_smoothing=cfg.pref.label_smoothing,
-            gamma=cfg.pref.gamma,
-            nll_weight=cfg.pref.nll_weight,
-        )
-        pref_cfg = preference.PreferenceUpdateConfig(
-            loss=loss, num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
-        )
-        return algorithm_lib.preference(graphdef, cfg.optim, pref_cfg, mesh=mesh)
-    if rl.algo == "expert_iteration":
-        ei_cfg = updates.SFTUpdateConfig(
-            num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
-        )
-        return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
-    raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
-
-
-def batch_shards(mesh) -> int:
-    """How many shards the batch axis is split into: the mesh's data x fsdp sizes."""
-    return int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+log = builders.log
 
 
 def shaping_config(
@@ -371,53 +92,6 @@ def shaping_config(
     )
 
 
-def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
-    """One-line config error unless every microbatch's rows divide over the mesh's batch
-    shards ('data' x 'fsdp'), for each phase the run has.
-
-    Unpacked, a step's rows are its rollouts (``rl.prompts_per_step x rl.group_size``) or the SFT
-    batch (``sft.batch_size``): they must be a multiple of microbatches x shards (otherwise a
-    microbatch has a remainder or fewer rows than devices, which XLA replicates: "Involuntary
-    full rematerialization"). Packed, the row count is rounded up to such a multiple, so only a
-    multiple above the number of sequences (rows that could only be padding) is refused. A token
-    budget (``rl.max_tokens_per_microbatch``) must hold one row per batch shard, each row at
-    least ``rl.max_tokens_per_row`` positions (longer rows are refused at the step that packs
-    them, by ``rollout.budget_rows``).
-    """
-    shards = step_lib.batch_shard_count(mesh)
-    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
-    rl, sft = cfg.rl, cfg.sft
-    budget = rl.max_tokens_per_microbatch
-    if budget is not None and rl.algo != "none" and rl.steps > 0:
-        least = shards * (rl.max_tokens_per_row or 1)
-        if budget < least:
-            raise configlib.ConfigKeyError(
-                f"rl.max_tokens_per_microbatch={budget} is less than one row of "
-                f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
-                f"x {shards} batch shards ({where}) = {least}"
-            )
-    phases = []
-    if rl.algo in config_lib.PREFERENCE_ALGOS and rl.steps > 0:
-        # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
-        phases.append((cfg.pref.batch_size, "pref.batch_size", rl.microbatches, "rl", False))
-    elif rl.algo != "none" and rl.steps > 0:
-        rows_key = "rl.prompts_per_step x rl.group_size"
-        phases.append((rl.rollouts_per_step, rows_key, rl.microbatches, "rl", rl.packing))
-    if sft.steps > 0 or rl.algo == "none":
-        phases.append((sft.batch_size, "sft.batch_size", sft.microbatches, "sft", sft.packing))
-    for rows, rows_key, n, section, packed in phases:
-        unit = n * shards
-        if (unit <= rows) if packed else (rows % unit == 0):
-            continue
-        fits = [m for m in range(n, 0, -1) if rows % (m * shards) == 0]
-        hint = f"{section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
-        raise configlib.ConfigKeyError(
-            f"{section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
-            f"{'exceed' if packed else 'do not divide'} {rows_key} = {rows}: each microbatch's "
-            f"rows must split evenly over the batch shards; try {hint}"
-        )
-
-
 def _nan_to_none(x):
     """``x`` (nested dicts/lists) with NaN floats as None: JSON-safe checkpoint side-cars."""
     if isinstance(x, dict):
@@ -425,44 +99,6 @@ def _nan_to_none(x):
     if isinstance(x, list | tuple):
         return [_nan_to_none(v) for v in x]
     return None if isinstance(x, float) and x != x else x
-
-
-def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
-    """(the run's number of data shards, the shards this process reads): ``data.shards``, by
-    default one per process row block (``step.process_row_block``); one-line config errors when
-    the shards do not divide the blocks or the per-step batches."""
-    block, blocks = step_lib.process_row_block(mesh)
-    n = cfg.data.shards or blocks
-    rl, sft = cfg.rl, cfg.sft
-    if n % blocks:
-        raise configlib.ConfigKeyError(
-            f"data.shards={n} does not split over the {blocks} process row blocks of this job"
-        )
-    if jax.process_count() > 1 and rl.algo in config_lib.PREFERENCE_ALGOS:
-        raise configlib.ConfigKeyError(
-            f"rl.algo={rl.algo}: the offline preference phase runs in one process only"
-        )
-    if jax.process_count() > 1 and rl.max_staleness > 0:
-        # The background sampler's collectives would interleave with the update's.
-        raise configlib.ConfigKeyError(
-            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts run in one process only"
-        )
-    if rl.algo != "none" and rl.steps > 0 and rl.prompts_per_step % n:
-        raise configlib.ConfigKeyError(
-            f"rl.prompts_per_step={rl.prompts_per_step} is not a multiple of the {n} data shards"
-        )
-    if sft.steps > 0 and sft.batch_size % n:
-        raise configlib.ConfigKeyError(
-            f"sft.batch_size={sft.batch_size} is not a multiple of the {n} data shards"
-        )
-    return n, shards.owned(n, block, blocks)
-
-
-def abstract_state(algorithm, params_shape, mesh, rng=0):
-    """The abstract ``TrainState`` of ``algorithm.init`` with its target shardings."""
-    shape = jax.eval_shape(lambda p: algorithm.init(p, rng), params_shape)
-    shardings = step_lib.state_shardings(shape, mesh)
-    return checkpoint_lib.abstract_like(shape, shardings), shardings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,11 +119,13 @@ def evaluate(
         first = len(problems) * block[0] // block[1]
         problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
     n = cfg.eval.samples_per_problem
-    prompts = [encode(tokenizer, render(cfg, p, tokenizer)) for p in problems]
+    prompts = [builders.encode(tokenizer, builders.render(cfg, p, tokenizer)) for p in problems]
     # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
     # runs one program over all processes' rows, with one seed).
     offset = first if cfg.sampler.kind != "jax" else 0
-    params = sampling_params(cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919 + offset)
+    params = builders.sampling_params(
+        cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919 + offset
+    )
     completions = sampler.generate(prompts, n, params)
     truths = [p.answer for p in problems for _ in range(n)]
     scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)
@@ -540,27 +178,22 @@ class Trainer:
         self.placement = placement.place_trainer(cfg.sampler)
         distributed.initialize(cfg.distributed)
         placement.check_jax_devices(self.placement)
-        self.mesh = model_lib.make_mesh(cfg.mesh, device_split(cfg)[0])
-        check_microbatches_fit_mesh(cfg, self.mesh)
-        self.tokenizer = build_tokenizer(cfg)
+        self.mesh = model_lib.make_mesh(cfg.mesh, builders.device_split(cfg)[0])
+        builders.check_microbatches_fit_mesh(cfg, self.mesh)
+        self.tokenizer = builders.build_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id
-        model = build_model(cfg, self.tokenizer, self.mesh)
+        model = builders.build_model(cfg, self.tokenizer, self.mesh)
         self.model_cfg = model.config
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.params_shape = jax.eval_shape(lambda p: p, params)
-        self.train_problems, self.eval_problems = load_splits(cfg)
+        self.train_problems, self.eval_problems = builders.load_splits(cfg)
         # Multi-process: this process keeps only the training rows of its data shards.
         self.row_block = step_lib.process_row_block(self.mesh)
-        self.num_shards, owned = data_shards(cfg, self.mesh)
+        self.num_shards, owned = builders.data_shards(cfg, self.mesh)
         split = shards.split(self.train_problems, self.num_shards, cfg.run.seed)
         self.train_shards = {i: split[i] for i in owned}
         self.train_problems = [p for i in owned for p in split[i]]
-        self.reward_fn = verifiers.make_reward_fn(
-            verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
-        )
-        self.pool = grading.GradingPool(
-            num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
-        )
+        self.reward_fn, self.pool = builders.build_grader(cfg)
         self.loop = LoopState(phase="sft" if cfg.sft.steps > 0 else "rl")
         self.ckpt = checkpoint_lib.Checkpointer(
             os.path.join(self.run_dir, "checkpoints"), keep=cfg.checkpoint.keep
@@ -600,7 +233,7 @@ class Trainer:
     def sampler(self):
         """The rollout sampler, started on first use."""
         if self._sampler is None:
-            self._sampler = build_sampler(
+            self._sampler = builders.build_sampler(
                 self.cfg,
                 nnx.merge(self.graphdef, self.state.params),
                 self.tokenizer,
@@ -616,10 +249,10 @@ class Trainer:
     # -- state and phases ---------------------------------------------------------------------
     def _enter_phase(self, phase: str, params, rng) -> None:
         """The phase's algorithm record, its fresh state, and the compiled prepare/update."""
-        self.algorithm = make_algorithm(
+        self.algorithm = methods.make_algorithm(
             self.cfg, phase, self.graphdef, self.params_shape, self.mesh
         )
-        _, shardings = abstract_state(self.algorithm, self.params_shape, self.mesh)
+        _, shardings = methods.abstract_state(self.algorithm, self.params_shape, self.mesh)
         self.state = jax.device_put(self.algorithm.init(params, rng), shardings)
         self.compiled = step_lib.CompiledAlgorithm(self.algorithm, self.mesh, shardings)
         self._phase, self._shardings = phase, shardings
@@ -634,7 +267,7 @@ class Trainer:
         if microbatches is None:
             return self.compiled
         if microbatches not in self._compiled:
-            algorithm = make_algorithm(
+            algorithm = methods.make_algorithm(
                 self.cfg,
                 self._phase,
                 self.graphdef,
@@ -678,8 +311,10 @@ class Trainer:
 
         def target(step, extra):
             phase = LoopState(**extra["loop"]).phase
-            algo = make_algorithm(self.cfg, phase, self.graphdef, self.params_shape, self.mesh)
-            return {"state": abstract_state(algo, self.params_shape, self.mesh)[0]}
+            algo = methods.make_algorithm(
+                self.cfg, phase, self.graphdef, self.params_shape, self.mesh
+            )
+            return {"state": methods.abstract_state(algo, self.params_shape, self.mesh)[0]}
 
         restored = self.ckpt.restore_latest(target, log=log)
         if restored is None:
@@ -703,7 +338,7 @@ class Trainer:
         if cfg.sft.data == "gold":
             return [
                 loading.Problem(
-                    question=render(cfg, p, self.tokenizer),
+                    question=builders.render(cfg, p, self.tokenizer),
                     answer=templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
                     id=p.id,
                 )
@@ -751,8 +386,8 @@ class Trainer:
         limit = self.model_cfg.max_position_embeddings
         prompts, responses = [], []
         for ex in examples:
-            p = encode(self.tokenizer, ex.question)
-            r = encode(self.tokenizer, ex.answer) + [self.tokenizer.eos_token_id]
+            p = builders.encode(self.tokenizer, ex.question)
+            r = builders.encode(self.tokenizer, ex.answer) + [self.tokenizer.eos_token_id]
             prompts.append(p[: limit - 1])
             responses.append(r[: max(limit - len(prompts[-1]), 0)])
         sft = self.cfg.sft
@@ -763,7 +398,7 @@ class Trainer:
             max_length=limit,
             segments=sft.packing,
             row_tokens=sft.max_tokens_per_row,
-            row_multiple=sft.microbatches * batch_shards(self.mesh),
+            row_multiple=sft.microbatches * builders.batch_shards(self.mesh),
         )
         return rollout.to_batch(packed)
 
@@ -790,7 +425,7 @@ class Trainer:
             if self.loop.sft_step >= cfg.sft.steps:
                 break
             # The last SFT step is saved after the switch to RL (below), under the same step.
-            if stop.requested:
+            if stop.should_stop(self.global_step):
                 self._save()
                 return
             if self.loop.sft_step % cfg.checkpoint.every == 0:
@@ -808,10 +443,13 @@ class Trainer:
 
     # -- RL: sample -> grade -> shape -> prepare -> update -> sync ----------------------------
     def _generate(self, problems, n, seed):
-        prompts = [encode(self.tokenizer, render(self.cfg, p, self.tokenizer)) for p in problems]
+        prompts = [
+            builders.encode(self.tokenizer, builders.render(self.cfg, p, self.tokenizer))
+            for p in problems
+        ]
         if self.cfg.sampler.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
             seed += self.row_block[0] * len(problems)
-        params = sampling_params(self.cfg, self.tokenizer, seed=seed)
+        params = builders.sampling_params(self.cfg, self.tokenizer, seed=seed)
         completions = self.sampler.generate(prompts, n, params)
         if len(completions) != len(prompts) * n:
             raise RuntimeError(
@@ -879,7 +517,7 @@ class Trainer:
             prompts,
             completions,
             scores,
-            shaping_config(self.cfg, self.loop.rl_step, batch_shards(self.mesh)),
+            shaping_config(self.cfg, self.loop.rl_step, builders.batch_shards(self.mesh)),
             pad_id=self.pad_id,
             max_length=self.model_cfg.max_position_embeddings,
         )
@@ -904,7 +542,7 @@ class Trainer:
             rows * blocks,
             length,
             rl.max_tokens_per_microbatch,
-            shards=batch_shards(self.mesh),
+            shards=builders.batch_shards(self.mesh),
             key="rl.max_tokens_per_microbatch",
         )
         # Rows per microbatch are a multiple of the batch shards, so of the process blocks too.
@@ -1045,8 +683,8 @@ class Trainer:
         prompts, responses = [], []
         for side in (1, 2):
             for pair in pairs:
-                p = encode(self.tokenizer, pair[0])[: limit - 1]
-                r = encode(self.tokenizer, pair[side]) + [eos]
+                p = builders.encode(self.tokenizer, pair[0])[: limit - 1]
+                r = builders.encode(self.tokenizer, pair[side]) + [eos]
                 prompts.append(p)
                 responses.append(r[: max(limit - len(p), 0)])
         packed = rollout.pack(prompts, responses, pad_id=self.pad_id, max_length=limit)
@@ -1159,9 +797,10 @@ class Trainer:
                     self._log(self.global_step, m)
                     progress.update(1)
                     progress.set_postfix(**self._postfix(m))
-                    if self.loop.rl_step % cfg.checkpoint.every == 0 or done or stop.requested:
+                    stopping = stop.should_stop(self.global_step)
+                    if self.loop.rl_step % cfg.checkpoint.every == 0 or done or stopping:
                         self._save()
-                    if stop.requested:
+                    if stopping:
                         break
         progress.close()
         if stop.requested:
@@ -1267,11 +906,13 @@ def restore_policy(
                 scan_layers=m.scan_layers,
             )
         else:
-            model_cfg = model_config(cfg, tokenizer)
-        graphdef, params_shape = abstract_model(model_cfg, mesh)
-        algo = make_algorithm(cfg, LoopState(**extra["loop"]).phase, graphdef, params_shape, mesh)
+            model_cfg = builders.model_config(cfg, tokenizer)
+        graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
+        algo = methods.make_algorithm(
+            cfg, LoopState(**extra["loop"]).phase, graphdef, params_shape, mesh
+        )
         target.graphdef = graphdef
-        return {"state": abstract_state(algo, params_shape, mesh)[0]}
+        return {"state": methods.abstract_state(algo, params_shape, mesh)[0]}
 
     try:
         restored = ckpt.restore_latest(target, step=step, log=log)
@@ -1295,20 +936,17 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
     placement.check_jax_devices(placement.place_trainer(cfg.sampler))  # vLLM's GPUs stay free
     mesh = model_lib.make_mesh(cfg.mesh)
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg)
     if run_dir is None:
-        model = build_model(cfg, tokenizer, mesh)
+        model = builders.build_model(cfg, tokenizer, mesh)
     else:
         step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
         log(f"evaluating checkpoint step {step} of {run_dir}")
-    _, problems = load_splits(cfg, train=False)
-    reward_fn = verifiers.make_reward_fn(
-        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
-    )
-    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    _, problems = builders.load_splits(cfg, train=False)
+    reward_fn, pool = builders.build_grader(cfg)
     sampler = None
     try:
-        sampler = build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
+        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
         return evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn)
     finally:
         if sampler is not None:
@@ -1322,7 +960,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) ->
     with open(os.path.join(run_dir, "config.yaml")) as f:
         cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg)
     step, model = restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
     model_lib.save_hf(model, out_dir, tokenizer_src=tokenizer)
     with open(os.path.join(out_dir, "jaxrlvr_export.json"), "w") as f:

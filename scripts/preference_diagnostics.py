@@ -17,25 +17,25 @@ import sys
 import jax
 import numpy as np
 
+from jaxrlvr import builders, rollout, train
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr import rollout, train
 from jaxrlvr.algos import updates
 
 
 def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     cfg = config_lib.load_config("configs/demo.yaml", [f"model.path={warm}"])
     mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1))
-    tok = train.build_tokenizer(cfg)
-    heldout = train.load_splits(cfg)[1][:100]
+    tok = builders.build_tokenizer(cfg)
+    heldout = builders.load_splits(cfg)[1][:100]
     pairs = [json.loads(line) for line in open(pairs_path)]
 
     def response_logps(lm, prompts, responses):
         fn = jax.jit(lambda b: updates.token_logprobs(lm, b)[0])
         out = []
         for i in range(0, len(prompts), 256):
-            p = [train.encode(tok, x) for x in prompts[i : i + 256]]
-            r = [train.encode(tok, x) + [tok.eos_token_id] for x in responses[i : i + 256]]
+            p = [builders.encode(tok, x) for x in prompts[i : i + 256]]
+            r = [builders.encode(tok, x) + [tok.eos_token_id] for x in responses[i : i + 256]]
             b = rollout.to_batch(rollout.pack(p, r, pad_id=tok.pad_token_id, max_length=64))
             logp, m = np.asarray(fn(b)), np.asarray(b.loss_mask) > 0
             out += [logp[j][m[j]] for j in range(len(p))]
@@ -44,7 +44,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     def measure(lm):
         gold = response_logps(
             lm,
-            [train.render(cfg, p, tok) for p in heldout],
+            [builders.render(cfg, p, tok) for p in heldout],
             [cfg.data.gold_format.replace("{answer}", p.answer) for p in heldout],
         )
         acc = float(np.mean([np.exp(g.sum()) for g in gold]))
@@ -54,13 +54,13 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
         return acc, chosen, rejected
 
     def parts(pair, x):
-        a, b = train.encode(tok, pair["chosen"]), train.encode(tok, pair["rejected"])
+        a, b = builders.encode(tok, pair["chosen"]), builders.encode(tok, pair["rejected"])
         k = 0
         while k < min(len(a), len(b)) and a[k] == b[k]:
             k += 1
         return np.asarray([x[:k].sum(), x[k : k + 1].sum(), x[k + 1 :].sum()])
 
-    w_acc, wc, wr = measure(train.build_model(cfg, tok, mesh))
+    w_acc, wc, wr = measure(builders.build_model(cfg, tok, mesh))
     mean = lambda xs: np.mean([x.sum() for x in xs])  # noqa: E731
     print(f"warm start: exact accuracy {w_acc:.4f}; chosen {mean(wc):.3f}, rejected {mean(wr):.3f}")
     for run in runs:

@@ -98,9 +98,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_model_layer_loop_choice_reaches_the_model(override, scan):
     # model.scan_layers picks lax.scan (default) or the unrolled layer loop (a random model here;
     # load_hf's scan_layers argument is covered by tests/model/test_parity.py).
-    from jaxrlvr import train
+    from jaxrlvr import builders
 
     cfg = config_lib.load_config("configs/demo.yaml", [override] if override else [])
     assert cfg.model.scan_layers is scan
-    lm = train.build_model(cfg, train.build_tokenizer(cfg), mesh=None)
+    lm = builders.build_model(cfg, builders.build_tokenizer(cfg), mesh=None)
     assert lm.config.scan_layers is scan

@@ -52,16 +52,16 @@ def shared_server(tmp_path_factory):
     import jax
     from flax import nnx
 
+    from jaxrlvr import builders
     from jaxrlvr import config as config_lib
     from jaxrlvr import model as model_lib
-    from jaxrlvr import train
     from jaxrlvr.sampling import vllm_server, weight_export
 
     root = tmp_path_factory.mktemp("shared_vllm")
     cfg = config_lib.load_config(str(mh.REPO / "configs/demo.yaml"), VLLM_TINY)
-    tok = train.build_tokenizer(cfg)
+    tok = builders.build_tokenizer(cfg)
     mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    model = train.build_model(cfg, tok, mesh)
+    model = builders.build_model(cfg, tok, mesh)
     weight_export.export_weights(model.config, nnx.state(model, nnx.Param), root / "model")
     tok.save_pretrained(root / "model")
     server = vllm_server.VLLMServer(

@@ -258,8 +258,8 @@ def test_build_sampler_starts_one_server_per_group_and_exports_bf16(monkeypatch,
 
     from safetensors import safe_open
 
+    from jaxrlvr import builders
     from jaxrlvr import model as model_lib
-    from jaxrlvr import train
     from jaxrlvr.sampling import vllm_sampler
 
     monkeypatch.setenv(placement.HOST_GPUS_ENV, ",".join(GPUS8))
@@ -278,9 +278,9 @@ def test_build_sampler_starts_one_server_per_group_and_exports_bf16(monkeypatch,
                         "vllm_python": "/v/python", "vllm_extra_args": ["--seed", "1"]},
         },
     )  # fmt: skip
-    tokenizer = train.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg)
     model = model_lib.init_model(model_lib.ModelConfig.tiny(vocab_size=tokenizer.vocab_size))
-    assert train.build_sampler(cfg, model, tokenizer, None, str(tmp_path)) == "sampler"
+    assert builders.build_sampler(cfg, model, tokenizer, None, str(tmp_path)) == "sampler"
     a, b = made["servers"]
     assert started == [a, b] and made["export_dtype"] == "bfloat16"
     assert made["export_dir"] == a.model_dir == b.model_dir

@@ -8,7 +8,7 @@ dependency of jaxrlvr):
 - the model is the Hugging Face folder ``--model`` (the loop passes the jaxrlvr SFT warm start,
   exported with ``jaxrlvr export``), float32, eager PyTorch, ``generate`` for rollouts;
 - data: the config's training split, rendered with its template and the same tokenizer
-  (``train.load_splits`` / ``train.render`` / ``train.build_tokenizer``); one step is
+  (``builders.load_splits`` / ``builders.render`` / ``builders.build_tokenizer``); one step is
   ``rl.prompts_per_step`` prompts x ``rl.group_size`` completions, all in one optimizer step
   (``steps_per_generation=1``, one iteration: TRL then skips its old-log-prob pass too);
 - rewards: the config's verifier (``verifiers.make_reward_fn``), called in-process;
@@ -88,17 +88,17 @@ def main(argv=None) -> int:
     import transformers
     import trl
 
+    from jaxrlvr import builders, train
     from jaxrlvr import config as config_lib
-    from jaxrlvr import train
     from jaxrlvr.bench import common
     from jaxrlvr.rewards import verifiers
 
     cfg = config_lib.load_config(args.config, list(args.set))
     rl, s, o = cfg.rl, cfg.sampler, cfg.optim
-    tokenizer = train.build_tokenizer(cfg)
-    problems, _ = train.load_splits(cfg)
+    tokenizer = builders.build_tokenizer(cfg)
+    problems, _ = builders.load_splits(cfg)
     data = datasets.Dataset.from_list(
-        [{"prompt": train.render(cfg, p, tokenizer), "answer": p.answer} for p in problems]
+        [{"prompt": builders.render(cfg, p, tokenizer), "answer": p.answer} for p in problems]
     )
     grade = verifiers.make_reward_fn(
         verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)

@@ -1,0 +1,331 @@
+"""The run's components, built from a ``TrainConfig``: what ``train``, ``eval``, ``export``,
+``pairs`` and the benchmarks share.
+
+Tokenizer, model (its config, its weights, or only its shape), data splits and their shards,
+prompt rendering and sampling parameters, the sampler (the embedded JAX sampler or supervised vLLM
+servers), the grader (reward function + grading pool), and the one-line checks that the batch
+shapes fit the mesh. Nothing here trains or loops: that is ``train`` and ``phases``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+
+import jax
+from flax import nnx
+
+from jaxrlvr import config as config_lib
+from jaxrlvr import configlib, distributed, placement
+from jaxrlvr import model as model_lib
+from jaxrlvr.algos import step as step_lib
+from jaxrlvr.data import loading, scratchpad, shards, synthetic, templates
+from jaxrlvr.data import tokenizer as tokenizer_lib
+from jaxrlvr.rewards import grading, verifiers
+from jaxrlvr.sampling import base as sampling_base
+
+
+def log(msg: str) -> None:
+    print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
+
+
+def build_tokenizer(cfg: config_lib.TrainConfig):
+    source = cfg.model.tokenizer or cfg.model.path
+    if source == "char":
+        return tokenizer_lib.build_char_tokenizer()
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(source)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfig:
+    """The policy's architecture: the checkpoint's config.json, or the random model's shape."""
+    m = cfg.model
+    choices = dict(
+        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
+    )
+    if m.path is not None:
+        return model_lib.ModelConfig.from_json(os.path.join(m.path, "config.json"), **choices)
+    return model_lib.ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings,
+        hf_config={
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        **choices,
+    )
+
+
+def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2ForCausalLM:
+    """The policy with its weights: loaded from ``model.path`` or randomly initialised."""
+    m = cfg.model
+    if m.path is not None:
+        return model_lib.load_hf(
+            m.path,
+            dtype=m.dtype,
+            param_dtype=m.param_dtype,
+            mesh=mesh,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+        )
+    return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
+
+
+def abstract_model(model_cfg: model_lib.ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph definition, params as ``jax.ShapeDtypeStruct``): the model's shape, no weights."""
+    abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(model_cfg, mesh=mesh))
+    return nnx.split(abstract, nnx.Param)
+
+
+def load_splits(
+    cfg: config_lib.TrainConfig, *, train: bool = True
+) -> tuple[list[loading.Problem], list[loading.Problem]]:
+    """(train problems, held-out problems); ``train=False`` skips reading the training split."""
+    d = cfg.data
+    if d.train == "synthetic":
+        return synthetic.make_splits(
+            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
+        )
+    if d.train == "scratchpad":
+        return scratchpad.make_splits(
+            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.scratchpad
+        )
+
+    def load(path, split):
+        data_cfg = loading.DataConfig(
+            path=path,
+            split=split,
+            question_field=d.question_field,
+            answer_field=d.answer_field,
+            solution_field=d.solution_field,
+            on_bad_row=d.on_bad_row,
+        )
+        problems, stats = loading.load_problems(data_cfg)
+        if stats.dropped:
+            log(f"{path}: kept {stats.kept} problems, dropped {stats.dropped} ({stats.reasons})")
+        if not problems:
+            raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
+        return problems
+
+    train_problems = load(d.train, d.split) if train else []
+    held_out = load(d.eval, d.eval_split) if d.eval else []
+    return train_problems, held_out
+
+
+def render(cfg: config_lib.TrainConfig, problem: loading.Problem, tokenizer) -> str:
+    return templates.render_prompt(cfg.data.template, problem.question, tokenizer)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def sampling_params(cfg: config_lib.TrainConfig, tokenizer, *, eval_mode=False, seed=None):
+    s = cfg.sampler
+    stop_ids, stop_strings = [], []
+    for text in s.stop:
+        ids = encode(tokenizer, text)
+        (stop_ids.append(ids[0]) if len(ids) == 1 else stop_strings.append(text))
+    return sampling_base.SamplingParams(
+        temperature=s.eval_temperature if eval_mode else s.temperature,
+        top_p=1.0 if eval_mode else s.top_p,
+        top_k=0 if eval_mode else s.top_k,
+        max_tokens=(s.eval_max_tokens or s.max_tokens) if eval_mode else s.max_tokens,
+        stop_token_ids=tuple(stop_ids),
+        stop=tuple(stop_strings),
+        seed=seed,
+        thinking_budget=s.thinking_budget,
+    )
+
+
+def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: str):
+    eos = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
+    if cfg.sampler.kind == "jax":
+        from jaxrlvr.sampling import jax_sampler
+
+        own = device_split(cfg)[1]
+        if own is not None:  # a sub-mesh of its own; update_weights copies the weights over
+            mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1), own)
+        return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
+    from jaxrlvr.sampling import vllm_sampler, vllm_server
+
+    s = cfg.sampler
+    plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
+    if s.vllm_urls:
+        shared = vllm_sampler.VLLMSampler(
+            model.config, list(s.vllm_urls), tokenizer, export_dtype=plan.dtype
+        )
+        # Given URLs are the job's one server group: process 0 pushes the weights.
+        if jax.process_count() > 1:
+            return distributed.ProcessSyncedSampler(shared, shared=True)
+        return shared
+    # Start our own servers on the current weights (one per GPU group of the placement); a server
+    # that dies is restarted on the latest weights. The model directory, which every step's
+    # export then overwrites, lives on tmpfs (/dev/shm) when there is one: a memory copy.
+    from jaxrlvr.sampling import weight_export
+
+    model_dir = weight_export.default_export_dir("jaxrlvr-vllm-model-")
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
+    weight_export.export_weights(
+        model.config, nnx.state(model, nnx.Param), model_dir, dtype=plan.dtype
+    )
+    tokenizer.save_pretrained(model_dir)
+    groups = plan.server_gpus or ((),) * s.vllm_num_servers
+    logs = [
+        os.path.join(run_dir, "vllm_server.log" if i == 0 else f"vllm_server_{i}.log")
+        for i in range(len(groups))
+    ]
+    log(f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})")
+    servers = [
+        vllm_server.VLLMServer(
+            model_dir,
+            python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
+            host=s.vllm_host,
+            allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
+            max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
+            dtype=plan.dtype,
+            device=plan.device,
+            gpus=gpus,
+            gpu_memory_utilization=plan.gpu_memory_utilization
+            or vllm_server.DEFAULT_GPU_MEMORY_UTILIZATION,
+            extra_args=s.vllm_extra_args,
+            log_path=log_path,
+            start=False,
+        )
+        for gpus, log_path in zip(groups, logs)
+    ]
+    vllm_server.start_servers(servers)
+    sampler = vllm_sampler.VLLMSampler(
+        model.config,
+        servers,
+        tokenizer,
+        restart_dead_servers=s.vllm_restart,
+        export_dir=model_dir,
+        export_dtype=plan.dtype,
+    )
+    # Started servers belong to this process (one server group per host): each process pushes
+    # the gathered weights to its own.
+    if jax.process_count() > 1:
+        return distributed.ProcessSyncedSampler(sampler, shared=False)
+    return sampler
+
+
+def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
+    """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
+    (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
+    both use every device."""
+    s = cfg.sampler
+    if s.kind != "jax" or s.jax_devices == 0:
+        return None, None
+    devices = jax.devices()
+    if s.jax_devices >= len(devices):
+        raise configlib.ConfigKeyError(
+            f"sampler.jax_devices={s.jax_devices}: the host has {len(devices)} devices, and the "
+            "trainer needs at least one"
+        )
+    return devices[: -s.jax_devices], devices[-s.jax_devices :]
+
+
+def batch_shards(mesh) -> int:
+    """How many shards the batch axis is split into: the mesh's data x fsdp sizes."""
+    return int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+
+
+def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
+    """One-line config error unless every microbatch's rows divide over the mesh's batch
+    shards ('data' x 'fsdp'), for each phase the run has.
+
+    Unpacked, a step's rows are its rollouts (``rl.prompts_per_step x rl.group_size``) or the SFT
+    batch (``sft.batch_size``): they must be a multiple of microbatches x shards (otherwise a
+    microbatch has a remainder or fewer rows than devices, which XLA replicates: "Involuntary
+    full rematerialization"). Packed, the row count is rounded up to such a multiple, so only a
+    multiple above the number of sequences (rows that could only be padding) is refused. A token
+    budget (``rl.max_tokens_per_microbatch``) must hold one row per batch shard, each row at
+    least ``rl.max_tokens_per_row`` positions (longer rows are refused at the step that packs
+    them, by ``rollout.budget_rows``).
+    """
+    shards = step_lib.batch_shard_count(mesh)
+    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
+    rl, sft = cfg.rl, cfg.sft
+    budget = rl.max_tokens_per_microbatch
+    if budget is not None and rl.algo != "none" and rl.steps > 0:
+        least = shards * (rl.max_tokens_per_row or 1)
+        if budget < least:
+            raise configlib.ConfigKeyError(
+                f"rl.max_tokens_per_microbatch={budget} is less than one row of "
+                f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
+                f"x {shards} batch shards ({where}) = {least}"
+            )
+    phases = []
+    if rl.algo in config_lib.PREFERENCE_ALGOS and rl.steps > 0:
+        # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
+        phases.append((cfg.pref.batch_size, "pref.batch_size", rl.microbatches, "rl", False))
+    elif rl.algo != "none" and rl.steps > 0:
+        rows_key = "rl.prompts_per_step x rl.group_size"
+        phases.append((rl.rollouts_per_step, rows_key, rl.microbatches, "rl", rl.packing))
+    if sft.steps > 0 or rl.algo == "none":
+        phases.append((sft.batch_size, "sft.batch_size", sft.microbatches, "sft", sft.packing))
+    for rows, rows_key, n, section, packed in phases:
+        unit = n * shards
+        if (unit <= rows) if packed else (rows % unit == 0):
+            continue
+        fits = [m for m in range(n, 0, -1) if rows % (m * shards) == 0]
+        hint = f"{section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
+        raise configlib.ConfigKeyError(
+            f"{section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
+            f"{'exceed' if packed else 'do not divide'} {rows_key} = {rows}: each microbatch's "
+            f"rows must split evenly over the batch shards; try {hint}"
+        )
+
+
+def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
+    """(the run's number of data shards, the shards this process reads): ``data.shards``, by
+    default one per process row block (``step.process_row_block``); one-line config errors when
+    the shards do not divide the blocks or the per-step batches."""
+    block, blocks = step_lib.process_row_block(mesh)
+    n = cfg.data.shards or blocks
+    rl, sft = cfg.rl, cfg.sft
+    if n % blocks:
+        raise configlib.ConfigKeyError(
+            f"data.shards={n} does not split over the {blocks} process row blocks of this job"
+        )
+    if jax.process_count() > 1 and rl.algo in config_lib.PREFERENCE_ALGOS:
+        raise configlib.ConfigKeyError(
+            f"rl.algo={rl.algo}: the offline preference phase runs in one process only"
+        )
+    if jax.process_count() > 1 and rl.max_staleness > 0:
+        # The background sampler's collectives would interleave with the update's.
+        raise configlib.ConfigKeyError(
+            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts run in one process only"
+        )
+    if rl.algo != "none" and rl.steps > 0 and rl.prompts_per_step % n:
+        raise configlib.ConfigKeyError(
+            f"rl.prompts_per_step={rl.prompts_per_step} is not a multiple of the {n} data shards"
+        )
+    if sft.steps > 0 and sft.batch_size % n:
+        raise configlib.ConfigKeyError(
+            f"sft.batch_size={sft.batch_size} is not a multiple of the {n} data shards"
+        )
+    return n, shards.owned(n, block, blocks)
+
+
+def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
+    """(the reward function of ``reward.fn``, the grading pool that runs it time-bounded)."""
+    reward_fn = verifiers.make_reward_fn(
+        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
+    )
+    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    return reward_fn, pool

@@ -1,0 +1,91 @@
+"""The config's training method -> its ``algos`` record: the one place where ``rl.algo`` becomes
+code.
+
+``make_algorithm(cfg, phase, ...)`` builds the ``Algorithm`` record of a phase ("sft" for the
+warm start, "rl" for ``rl.algo``'s method), ``abstract_state`` its state's shape and shardings
+(what a checkpoint restores into). Nothing here runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from jaxrlvr import checkpoint as checkpoint_lib
+from jaxrlvr import config as config_lib
+from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import preference, updates
+from jaxrlvr.algos import step as step_lib
+
+
+def make_algorithm(
+    cfg: config_lib.TrainConfig,
+    phase: str,
+    graphdef: nnx.GraphDef,
+    params_shape: nnx.State,
+    mesh,
+    *,
+    microbatches: int | None = None,
+) -> algorithm_lib.Algorithm:
+    """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
+    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's.
+
+    ``microbatches``: the RL record's microbatch count (default ``rl.microbatches``), for the
+    count a token budget chose (``rl.max_tokens_per_microbatch``); the state it inits has the
+    same shapes whatever the count."""
+    if phase == "sft" or cfg.rl.algo == "none":
+        sft_cfg = updates.SFTUpdateConfig(
+            num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
+        )
+        return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
+    rl = cfg.rl
+    microbatches = rl.microbatches if microbatches is None else microbatches
+    if rl.algo == "grpo":
+        grpo_cfg = updates.GRPOUpdateConfig(
+            loss=rl.policy_loss,
+            num_microbatches=microbatches,
+            logprob_chunk_size=rl.logprob_chunk_size,
+        )
+        return algorithm_lib.grpo(
+            graphdef,
+            cfg.optim,
+            grpo_cfg,
+            mesh=mesh,
+            epochs_per_batch=rl.epochs_per_step,
+            rollouts_may_be_stale=rl.max_staleness > 0,
+        )
+    if rl.algo == "ppo":
+        ppo_cfg = updates.PPOUpdateConfig(
+            loss=rl.policy_loss,
+            num_microbatches=microbatches,
+            logprob_chunk_size=rl.logprob_chunk_size,
+            **dataclasses.asdict(rl.ppo),
+        )
+        return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
+    if rl.algo in config_lib.PREFERENCE_ALGOS:
+        loss = preference.PreferenceLossConfig(
+            kind=rl.algo,
+            beta=cfg.pref.beta,
+            label_smoothing=cfg.pref.label_smoothing,
+            gamma=cfg.pref.gamma,
+            nll_weight=cfg.pref.nll_weight,
+        )
+        pref_cfg = preference.PreferenceUpdateConfig(
+            loss=loss, num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
+        )
+        return algorithm_lib.preference(graphdef, cfg.optim, pref_cfg, mesh=mesh)
+    if rl.algo == "expert_iteration":
+        ei_cfg = updates.SFTUpdateConfig(
+            num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
+        )
+        return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
+    raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
+
+
+def abstract_state(algorithm, params_shape, mesh, rng=0):
+    """The abstract ``TrainState`` of ``algorithm.init`` with its target shardings."""
+    shape = jax.eval_shape(lambda p: algorithm.init(p, rng), params_shape)
+    shardings = step_lib.state_shardings(shape, mesh)
+    return checkpoint_lib.abstract_like(shape, shardings), shardings
