@@ -21,9 +21,9 @@ from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, distributed, placement
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import loading, scratchpad, shards, synthetic, templates
+from jaxrlvr.data import code_loading, loading, scratchpad, shards, synthetic, templates
 from jaxrlvr.data import tokenizer as tokenizer_lib
-from jaxrlvr.rewards import grading, verifiers
+from jaxrlvr.rewards import code, grading, sandbox, verifiers
 from jaxrlvr.sampling import base as sampling_base
 
 
@@ -103,6 +103,8 @@ def load_splits(
         return scratchpad.make_splits(
             cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.scratchpad
         )
+    if d.train == "synthetic_code" or d.code_layout is not None:
+        return code_loading.load_splits(d, cfg.run.seed, train=train)
 
     def load(path, split):
         data_cfg = loading.DataConfig(
@@ -323,9 +325,27 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
 
 
 def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
-    """(the reward function of ``reward.fn``, the grading pool that runs it time-bounded)."""
-    reward_fn = verifiers.make_reward_fn(
-        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
-    )
-    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    """(the reward function of ``reward.fn``, the grading pool that runs it time-bounded).
+
+    ``reward.fn: code`` checks here that the sandbox starts (a one-line error naming
+    ``reward.sandbox`` when bubblewrap is missing) and warns when ``reward.sandbox`` is none.
+    """
+    r = cfg.reward
+    timeout_s = r.timeout_s
+    if r.fn == "code":
+        if r.sandbox == "none":
+            log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
+        try:
+            sandbox.check_available(r.code.sandbox(r.sandbox))
+        except sandbox.SandboxUnavailable as exc:
+            raise configlib.ConfigKeyError(str(exc)) from None
+        reward_fn = code.make_code_reward_fn(
+            r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight
+        )
+        timeout_s = code.grader_timeout_s(r.code, timeout_s)
+    else:
+        reward_fn = verifiers.make_reward_fn(
+            verifiers.RewardConfig(name=r.fn, format_weight=r.format_weight)
+        )
+    pool = grading.GradingPool(num_workers=r.num_workers, timeout_s=timeout_s)
     return reward_fn, pool

@@ -17,9 +17,12 @@ from jaxrlvr.algos import loss_config, updates
 from jaxrlvr.algos.optim import OptimizerConfig
 from jaxrlvr.data.scratchpad import ScratchpadConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
+from jaxrlvr.data.synthetic_code import SyntheticCodeConfig
 from jaxrlvr.distributed import DistributedConfig
 from jaxrlvr.model.config import dtype_name
 from jaxrlvr.model.sharding import MeshConfig
+from jaxrlvr.rewards.code import CodeRewardConfig
+from jaxrlvr.rewards.sandbox import SandboxKind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +95,10 @@ class DataSection:
     template: Literal["r1_zero", "question_only", "chat"] = "r1_zero"
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
     scratchpad: ScratchpadConfig = dataclasses.field(default_factory=ScratchpadConfig)
+    # Code problems: "synthetic_code" (``train``) draws ``synthetic_code``; ``code_layout``
+    # ("mbpp" | "humaneval") reads ``train``/``eval`` as jsonl files of that layout.
+    synthetic_code: SyntheticCodeConfig = dataclasses.field(default_factory=SyntheticCodeConfig)
+    code_layout: Literal["mbpp", "humaneval"] | None = None
     synthetic_train_size: int = 2000
     synthetic_eval_size: int = 200
     gold_format: str = " <answer>{answer}</answer>"
@@ -100,14 +107,29 @@ class DataSection:
     def __post_init__(self):
         if self.shards is not None and self.shards < 1:
             raise ValueError(f"data.shards must be an integer >= 1 or null, got {self.shards!r}")
+        if self.code_layout not in (None, "mbpp", "humaneval"):
+            raise ValueError(
+                f"data.code_layout must be null, 'mbpp' or 'humaneval', got {self.code_layout!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSection:
-    fn: Literal["r1_zero", "question_only", "gsm8k", "synthetic"] = "r1_zero"
+    """The verifier (``fn``) and its grading pool. ``fn: code`` runs each response's program
+    against the problem's tests in a sandbox: ``sandbox`` ("bwrap", bubblewrap; "none" runs
+    model-written code unsandboxed, with a warning) and ``code`` (pass fraction or all-pass,
+    and the sandbox's time, memory, process, file and output limits; docs/code.md)."""
+
+    fn: Literal["r1_zero", "question_only", "gsm8k", "synthetic", "code"] = "r1_zero"
     format_weight: float = 0.0
     timeout_s: float = 5.0
     num_workers: int = 2
+    sandbox: SandboxKind = "bwrap"
+    code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
+
+    def __post_init__(self):
+        if self.sandbox not in ("bwrap", "none"):
+            raise ValueError(f"reward.sandbox must be 'bwrap' or 'none', got {self.sandbox!r}")
 
 
 VLLMDevice = Literal["auto", "cpu", "cuda"]
@@ -347,7 +369,7 @@ class RLSection:
 
 PREFERENCE_ALGOS = ("dpo", "ipo", "simpo", "orpo")
 # data.train values that name a generated task instead of a file or hub dataset.
-GENERATED_TASKS = ("synthetic", "scratchpad")
+GENERATED_TASKS = ("synthetic", "scratchpad", "synthetic_code")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

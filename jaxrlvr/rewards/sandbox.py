@@ -1,0 +1,371 @@
+"""Run untrusted (model-written) Python programs against tests, inside bubblewrap.
+
+A ``Sandbox`` is one warm ``bwrap`` process running ``sandbox_harness.py`` (see its docstring for
+what happens per program). bubblewrap (Debian package ``bubblewrap``) gives the harness:
+
+- its own pid, network, ipc and uts namespaces (``--unshare-*``): no network interface but a
+  down loopback, no view of (or signal to) any host process, and everything in it dies with the
+  grader (``--die-with-parent``, and the namespace's pid 1 takes the rest along);
+- a read-only view of only what Python needs (``/usr``, ``/bin``, ``/lib*`` and the
+  interpreter's own prefix, bound read-only) and nothing else of the host: no home, no project
+  checkout, no ``/etc``, no secrets; ``/proc`` of its own pid namespace; a private size-limited
+  tmpfs at ``/tmp`` as the only writable place; an empty environment (``--clearenv``);
+- as root: all capabilities dropped except the few the harness needs to switch each program to
+  an unprivileged uid of its own (``--cap-drop ALL --cap-add CAP_SETUID ...``), so the kernel's
+  per-user process limit (``RLIMIT_NPROC``, which root ignores) holds against fork bombs.
+  As a normal user: an unprivileged user namespace (``--unshare-user``) instead; programs then
+  share the harness's uid (weaker: a program can signal the harness, which only fails its own
+  grade).
+
+Each program gets rlimits (CPU time, address space, processes, open files, file size), a per-test
+and a per-program wall-clock limit, /dev/null for stdio, and a private working directory that is
+deleted afterwards with every process it left behind.
+
+``kind="none"`` runs the same harness without bubblewrap (rlimits, the time limits and the uid
+switch when root remain; no namespaces, and daemons that leave their session survive): for
+machines without user namespaces, with a warning every time one starts. When ``bwrap`` is
+missing, ``SandboxUnavailable`` says so in one line; nothing ever falls back silently.
+
+Left out: seccomp syscall filtering and cgroup memory accounting (the address-space limit and the
+tmpfs size bound memory instead).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+SandboxKind = Literal["bwrap", "none"]
+
+HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
+_HARNESS_IN_SANDBOX = "/opt/jaxrlvr/sandbox_harness.py"
+_BWRAP_HINT = (
+    "reward.sandbox=bwrap needs bubblewrap, but 'bwrap' is not on PATH "
+    "(Debian/Ubuntu: apt-get install bubblewrap; scripts/setup_env.sh installs it when run as "
+    "root); reward.sandbox=none runs model-written code without a sandbox"
+)
+# Capabilities the root harness keeps: switch uids, own/clean the programs' directories, kill
+# what they leave. Everything else (CAP_SYS_ADMIN: remounts, CAP_NET_*, ...) is dropped.
+_ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run here (bwrap missing or refused); the message is one line."""
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"reward.code.{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    """Isolation mechanism and limits for one program (all tests of one response).
+
+    Attributes:
+      kind: ``bwrap`` (bubblewrap; the default) or ``none`` (no namespaces; warns).
+      test_timeout_s: wall-clock limit for one test.
+      program_timeout_s: wall-clock limit for the program and all its tests.
+      cpu_s: CPU-time limit (``RLIMIT_CPU``; None: ``program_timeout_s``).
+      memory_mb: address-space limit (``RLIMIT_AS``) of the program's processes.
+      max_processes: process limit (``RLIMIT_NPROC``) of the program's uid.
+      max_open_files: ``RLIMIT_NOFILE``.
+      max_file_mb: largest file a program may write (``RLIMIT_FSIZE``).
+      tmp_mb: size of the sandbox's private tmpfs (bwrap only).
+      python: interpreter to run programs with (None: this interpreter's base installation,
+        run with ``-I -S``: standard library only).
+    """
+
+    kind: SandboxKind = "bwrap"
+    test_timeout_s: float = 1.0
+    program_timeout_s: float = 5.0
+    cpu_s: float | None = None
+    memory_mb: int = 512
+    max_processes: int = 16
+    max_open_files: int = 64
+    max_file_mb: int = 8
+    tmp_mb: int = 32
+    python: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in get_args(SandboxKind):
+            raise ValueError(
+                f"reward.sandbox must be one of {get_args(SandboxKind)}, got {self.kind!r}"
+            )
+        for name in ("test_timeout_s", "program_timeout_s", "memory_mb", "max_processes"):
+            _positive(name, getattr(self, name))
+        for name in ("max_open_files", "max_file_mb", "tmp_mb"):
+            _positive(name, getattr(self, name))
+        if self.cpu_s is not None:
+            _positive("cpu_s", self.cpu_s)
+        if self.max_open_files < 8:
+            raise ValueError("reward.code.max_open_files must be >= 8 (Python needs a few)")
+
+    def limits(self) -> dict:
+        return {
+            "test_timeout_s": self.test_timeout_s,
+            "program_timeout_s": self.program_timeout_s,
+            "cpu_s": self.cpu_s or self.program_timeout_s,
+            "memory_mb": self.memory_mb,
+            "max_processes": self.max_processes,
+            "max_open_files": self.max_open_files,
+            "max_file_mb": self.max_file_mb,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """One program's verdict.
+
+    Attributes:
+      passed: one bool per test, in order.
+      status: ``done`` (ran to the end), ``timeout``, ``program_error`` (the program itself
+        raised or did not compile), ``report_too_large``, ``sandbox_error`` (the sandbox died or
+        answered nothing; it is restarted on the next call) or ``harness_error``.
+      seconds: wall-clock time of the program inside the harness.
+      leftover_processes: processes the program left behind before the sweep killed them.
+    """
+
+    passed: tuple[bool, ...]
+    status: str
+    seconds: float
+    leftover_processes: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.passed) and all(self.passed)
+
+
+def base_python() -> str:
+    """The interpreter programs run with by default: the real file behind ``sys.executable``
+    (a virtual environment's python resolves to its base installation)."""
+    return os.path.realpath(sys.executable)
+
+
+def find_bwrap() -> str:
+    """Path of ``bwrap``; raises ``SandboxUnavailable`` (one line, naming it) when missing."""
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(_BWRAP_HINT)
+    return path
+
+
+def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
+    """The bubblewrap command line that starts the harness."""
+    root = os.geteuid() == 0
+    cmd = [find_bwrap(), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    cmd += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if root:
+        cmd += ["--cap-drop", "ALL"]
+        for cap in _ROOT_CAPS:
+            cmd += ["--cap-add", cap]
+    else:
+        cmd += ["--unshare-user"]
+    for path in ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin"):
+        cmd += ["--ro-bind-try", path, path]
+    prefix = os.path.dirname(os.path.dirname(python))  # .../bin/python3.x -> install prefix
+    if prefix not in ("/", "/usr") and not prefix.startswith("/usr/"):
+        cmd += ["--ro-bind", prefix, prefix]
+    cmd += ["--ro-bind", HARNESS_PATH, _HARNESS_IN_SANDBOX]
+    cmd += ["--dev", "/dev", "--proc", "/proc"]
+    cmd += ["--size", str(cfg.tmp_mb << 20), "--perms", "0711", "--tmpfs", "/tmp"]
+    cmd += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
+    cmd += [python, "-I", "-S", "-B", _HARNESS_IN_SANDBOX, "--sweep"]
+    if root:
+        cmd += ["--uid-base", str(uid_base)]
+    return cmd
+
+
+def _uid_base() -> int:
+    # 100 uids per sandbox, from 200,000 up, by this process's pid: concurrent sandboxes (one per
+    # grading worker) do not share a uid, so they never share a process count.
+    return 200_000 + (os.getpid() % 50_000) * 100
+
+
+class Sandbox:
+    """One warm sandboxed harness; ``run`` grades one program at a time (not thread-safe).
+
+    Raises ``SandboxUnavailable`` at construction when bwrap is missing or does not start.
+    """
+
+    def __init__(self, cfg: SandboxConfig = SandboxConfig()):
+        self.cfg = cfg
+        self.python = cfg.python or base_python()
+        self.starts = 0
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self._workdir: str | None = None
+        self._start()
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if cfg.kind == "bwrap":
+            cmd = bwrap_command(cfg, self.python, _uid_base())
+        else:
+            print(
+                "[jaxrlvr] WARNING: reward.sandbox=none: model-written code runs WITHOUT a "
+                "sandbox (rlimits and time limits only)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._workdir = tempfile.mkdtemp(prefix="jaxrlvr-code-")
+            os.chmod(self._workdir, 0o711)
+            env["JAXRLVR_SANDBOX_WORK"] = self._workdir
+            cmd = [self.python, "-I", "-S", "-B", HARNESS_PATH]
+            if os.geteuid() == 0:
+                cmd += ["--uid-base", str(_uid_base())]
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        self._buf = b""
+        self.starts += 1
+        hello = self._read_line(time.monotonic() + 30.0)
+        if hello is None or not hello.get("ready"):
+            err = self._stop_and_stderr()
+            raise SandboxUnavailable(
+                f"the {cfg.kind} sandbox did not start: {err or 'no reply'}"
+                + (" (reward.sandbox=none runs without it)" if cfg.kind == "bwrap" else "")
+            )
+
+    def _stop_and_stderr(self) -> str:
+        proc = self._proc
+        if proc is None:
+            return ""
+        self._kill()
+        try:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        except Exception:
+            err = ""
+        return " ".join(err.split())[:300]
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap and, through --die-with-parent, the rest
+        except OSError:
+            pass
+        try:
+            proc.kill()
+        except OSError:
+            pass
+        proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except Exception:
+                pass
+
+    def _read_line(self, deadline: float) -> dict | None:
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return None
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return None
+
+    def run(self, program: str, tests: Sequence[dict], setup: str = "") -> RunResult:
+        """Run ``program`` (then ``setup``) and each test; see ``sandbox_harness`` for the test
+        dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._kill()
+            self._start()
+        request = {
+            "program": program,
+            "setup": setup,
+            "tests": list(tests),
+            "limits": self.cfg.limits(),
+        }
+        try:
+            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.flush()
+        except OSError:
+            self._kill()
+            return RunResult((False,) * len(tests), "sandbox_error", 0.0)
+        # The harness enforces the program's limit itself; the margin covers its sweep.
+        reply = self._read_line(time.monotonic() + self.cfg.program_timeout_s + 5.0)
+        if reply is None or not isinstance(reply.get("passed"), list):
+            self._kill()
+            return RunResult((False,) * len(tests), "sandbox_error", 0.0)
+        passed = tuple(bool(p) for p in reply["passed"])
+        if len(passed) != len(tests):
+            passed = (False,) * len(tests)
+        return RunResult(
+            passed, str(reply.get("status")), float(reply.get("seconds", 0.0)), reply.get("left", 0)
+        )
+
+    def close(self) -> None:
+        self._kill()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+_SHARED: dict[SandboxConfig, Sandbox] = {}
+
+
+def shared_sandbox(cfg: SandboxConfig) -> Sandbox:
+    """This process's warm sandbox for ``cfg`` (started on first use, closed at exit): what the
+    reward function uses inside each grading worker."""
+    box = _SHARED.get(cfg)
+    if box is None:
+        box = _SHARED[cfg] = Sandbox(cfg)
+        if len(_SHARED) == 1:
+            atexit.register(close_shared)
+    return box
+
+
+def close_shared() -> None:
+    for box in _SHARED.values():
+        box.close()
+    _SHARED.clear()
+
+
+def check_available(cfg: SandboxConfig) -> None:
+    """Start and stop one sandbox: raises ``SandboxUnavailable`` (one line) when it cannot run."""
+    with Sandbox(cfg) as box:
+        result = box.run("x = 1", [{"expr": "x", "expected": "1"}])
+        if not result.all_passed:
+            raise SandboxUnavailable(
+                f"the {cfg.kind} sandbox started but failed a trivial program ({result.status})"
+            )
