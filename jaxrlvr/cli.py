@@ -30,7 +30,8 @@ def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
     )
     multi = p.add_argument_group(
         "multi-process (one JAX process per host; docs/multihost.md)",
-        "each flag falls back to its env var; --num-processes 1 or none of them: one process",
+        "each flag falls back to its env var, then to SLURM (srun) or Kubernetes "
+        "(JOB_COMPLETION_INDEX); --num-processes 1 or none of them: one process",
     )
     multi.add_argument(
         "--coordinator", metavar="HOST:PORT", help="process 0's address (env JAXRLVR_COORDINATOR)"
@@ -47,7 +48,8 @@ def _train_parser(prog: str, help_text: str) -> argparse.ArgumentParser:
     multi.add_argument(
         "--distributed-auto",
         action="store_true",
-        help="JAX detects the cluster: SLURM, MPI, Kubernetes, TPU (JAXRLVR_DISTRIBUTED=auto)",
+        help="leave it all to JAX's cluster detection: Open MPI, TPU, Kubernetes API, SLURM "
+        "(JAXRLVR_DISTRIBUTED=auto); under srun no flag is needed",
     )
     return p
 
@@ -74,13 +76,18 @@ def _cmd_train(argv, *, sft_only=False):
             auto=args.distributed_auto,
         ),
     )
-    summary = train.run(cfg, resume=args.resume, overwrite=args.overwrite)
+    try:
+        summary = train.run(cfg, resume=args.resume, overwrite=args.overwrite)
+    except Exception as e:
+        # Several processes: one line naming a lost process, exit 1 (returns otherwise).
+        distributed.report_failure(e)
+        raise
     return 0 if summary is not None else 1
 
 
 def _cmd_eval(argv):
     from jaxrlvr import config as config_lib
-    from jaxrlvr import train
+    from jaxrlvr import evaluation
 
     p = argparse.ArgumentParser(prog="jaxrlvr eval", description="Evaluate a model or checkpoint.")
     p.add_argument("config")
@@ -88,7 +95,7 @@ def _cmd_eval(argv):
     p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
     args = p.parse_args(argv)
     cfg = config_lib.load_config(args.config, args.overrides)
-    result = train.evaluate_only(cfg, run_dir=args.checkpoint)
+    result = evaluation.evaluate_only(cfg, run_dir=args.checkpoint)
     for key, value in sorted(result.items()):
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     return 0
@@ -127,7 +134,7 @@ def _cmd_pairs(argv):
 
 
 def _cmd_export(argv):
-    from jaxrlvr import train
+    from jaxrlvr import export
 
     p = argparse.ArgumentParser(
         prog="jaxrlvr export", description="Write a checkpoint as a Hugging Face model folder."
@@ -140,7 +147,7 @@ def _cmd_export(argv):
     )
     args = p.parse_args(argv)
     check_export(args.run_dir, args.out_dir, step=args.step, overwrite=args.overwrite)
-    path = train.export_checkpoint(args.run_dir, args.out_dir, step=args.step)
+    path = export.export_checkpoint(args.run_dir, args.out_dir, step=args.step)
     print(f"wrote {path}")
     return 0
 

@@ -1,38 +1,51 @@
-"""Multi-host setup: ``jax.distributed`` start-up, small cross-process reductions, a liveness
-watchdog, and the vLLM weight sync of a multi-process job.
+"""Multi-host setup: starting ``jax.distributed`` (flags, env vars, SLURM, Kubernetes), the report
+of a lost process, small cross-process reductions, and the vLLM weight sync of a multi-process job.
 
 JAX runs one process per host (multi-controller); after ``initialize`` every process sees all
 processes' devices in ``jax.devices()``, so ``model.make_mesh`` spans them and the same jitted,
-sharded update runs everywhere. Either give the coordinator address, process count and this
-process's id explicitly (config ``distributed.*``, ``jaxrlvr train --coordinator HOST:PORT
---num-processes N --process-id I``, or the env vars ``JAXRLVR_COORDINATOR``,
-``JAXRLVR_NUM_PROCESSES``, ``JAXRLVR_PROCESS_ID``), or set ``auto`` (``--distributed-auto``,
-``JAXRLVR_DISTRIBUTED=auto``) and let JAX detect them from the cluster environment (SLURM, Open
-MPI, Kubernetes/GKE, Cloud TPU).
+sharded update runs everywhere. Where the coordinator address, process count and this process's
+id come from (``from_flags``; the first that gives a value wins):
+
+1. the flags ``--coordinator HOST:PORT --num-processes N --process-id I``;
+2. the env vars ``JAXRLVR_COORDINATOR``, ``JAXRLVR_NUM_PROCESSES``, ``JAXRLVR_PROCESS_ID``;
+3. the cluster: a SLURM job step of several tasks (``srun``: ``SLURM_PROCID``,
+   ``SLURM_STEP_NUM_TASKS``, the step's first node, port ``JAXRLVR_PORT`` or one derived from
+   ``SLURM_JOB_ID``); in a Kubernetes indexed Job or JobSet pod the process id is
+   ``JOB_COMPLETION_INDEX`` (coordinator and count come from 1 or 2);
+4. the config's ``distributed:`` section.
+
+``--distributed-auto`` (``JAXRLVR_DISTRIBUTED=auto``) instead leaves everything to JAX's own
+cluster detection (Open MPI, Cloud TPU, Kubernetes through its API, SLURM with one device per
+process). A loopback coordinator address in a job that spans several hosts is refused with an
+error naming ``--coordinator``: the other hosts could not reach it.
+
+Failure: JAX's coordination service (run by process 0) expects a heartbeat from every process;
+one silent for ``heartbeat_timeout`` seconds is declared dead and every other process is stopped
+(from a C++ thread, even when its main thread waits in a collective). When the failure reaches
+Python first (a collective that fails because a peer closed its connection), ``report_failure``
+asks JAX which processes are alive, prints one line naming the lost ones and exits with status 1
+without waiting in JAX's shutdown barrier. When process 0 itself dies the coordination service
+dies with it and JAX stops the others at once with its own (multi-line) message.
+
+Preemption: ``interrupt.GracefulStop.should_stop`` agrees on the stopping step through JAX's
+preemption service (``reached_preemption_sync_point``), whose notifier owns SIGTERM.
 
 On the CPU backend cross-process collectives need an implementation chosen before the backend
 starts: ``cpu_collectives="gloo"`` (the default here) sets ``jax_cpu_collectives_implementation``.
 
-Failure: a process that dies leaves the others blocked in a collective (gloo and the coordination
-service wait for minutes). ``Watchdog`` keeps one TCP connection from every process to process 0
-with a heartbeat; a connection that closes without a clean goodbye, or stays silent for
-``watchdog_timeout`` seconds, makes every surviving process print one line naming the lost
-process and exit with status 1 (``os._exit``: the main thread may be stuck in a collective).
-
-Not here: launching the processes (``scripts/launch_local.sh``, your scheduler, or
+Not here: launching the processes (``srun``, a Kubernetes Job, ``scripts/launch_local.sh``, or
 ``subprocess`` as the tests do).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
-import select
-import socket
+import re
 import sys
 import threading
-import time
 from typing import Any, Literal
 
 import jax
@@ -46,6 +59,10 @@ ENV_COORDINATOR = "JAXRLVR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXRLVR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXRLVR_PROCESS_ID"
 ENV_AUTO = "JAXRLVR_DISTRIBUTED"  # "auto": let JAX detect the cluster
+ENV_PORT = "JAXRLVR_PORT"  # the coordinator's port in a SLURM job (default: from the job id)
+# SLURM: a port from the job id, above Linux's default ephemeral range (32768-60999), so that two
+# jobs sharing a node rarely collide and no outgoing connection holds it.
+_SLURM_PORT_BASE, _SLURM_PORT_SPAN = 61000, 4000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,11 +73,10 @@ class DistributedConfig:
     local_device_ids: restrict this process to these local devices (None: all).
     cpu_collectives: CPU cross-process collectives ("gloo", "mpi", or "none" to leave JAX's
     default); ignored on GPU/TPU.
-    initialization_timeout: seconds to wait for all processes.
+    initialization_timeout: seconds to wait for all processes at start.
     heartbeat_timeout: seconds after which JAX's coordination service declares a silent process
-    dead (its own, slower detection; the watchdog normally reports first).
-    watchdog: run the liveness watchdog (module docstring); watchdog_timeout: seconds without a
-    heartbeat before a process whose connection is still open is declared lost.
+    dead and stops the others (module docstring); the lost-process report comes within it.
+    shutdown_timeout: seconds a process that ends waits at exit for the others to end too.
     """
 
     enabled: bool = False
@@ -72,24 +88,27 @@ class DistributedConfig:
     cpu_collectives: CpuCollectives = "gloo"
     initialization_timeout: int = 300
     heartbeat_timeout: int = 100
-    watchdog: bool = True
-    watchdog_timeout: float = 60.0
+    shutdown_timeout: int = 300
 
     def __post_init__(self) -> None:
         loss_config.check_literal("cpu_collectives", self.cpu_collectives, CpuCollectives)
-        if self.watchdog_timeout <= 0:
-            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        for key in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"distributed.{key} must be a whole number of seconds >= 1, got {value!r}"
+                )
         if not self.enabled or self.auto:
             return
         if not self.coordinator_address or ":" not in self.coordinator_address:
             raise ValueError(
-                "coordinator_address must be 'host:port' when enabled and not auto, "
-                f"got {self.coordinator_address!r}"
+                "coordinator_address must be 'host:port' when enabled and not auto (--coordinator "
+                f"HOST:PORT, env {ENV_COORDINATOR}), got {self.coordinator_address!r}"
             )
         if self.num_processes is None or self.num_processes < 1:
             raise ValueError(
-                f"num_processes must be an integer >= 1 when enabled and not auto, "
-                f"got {self.num_processes!r}"
+                f"num_processes must be an integer >= 1 when enabled and not auto "
+                f"(--num-processes N, env {ENV_NUM_PROCESSES}), got {self.num_processes!r}"
             )
         if self.process_id is None or not 0 <= self.process_id < self.num_processes:
             raise ValueError(
@@ -108,8 +127,8 @@ def from_flags(
     environ: dict[str, str] | None = None,
 ) -> DistributedConfig:
     """``cfg`` with the command line's flags applied, each falling back to its env var
-    (``ENV_*``); any of them set enables the runtime. Flags win over env vars, both over the
-    config file."""
+    (``ENV_*``), then to the cluster (SLURM, Kubernetes; module docstring), then to the config
+    file. Any of them set enables the runtime; a count of 1 disables it."""
     env = os.environ if environ is None else environ
 
     def pick(flag, name, cast):
@@ -123,62 +142,163 @@ def from_flags(
         except ValueError:
             raise ValueError(f"env {name}={raw!r} is not a valid {cast.__name__}") from None
 
-    coordinator = pick(coordinator, ENV_COORDINATOR, str)
-    num_processes = pick(num_processes, ENV_NUM_PROCESSES, int)
-    process_id = pick(process_id, ENV_PROCESS_ID, int)
     env_auto = env.get(ENV_AUTO, "")
     if env_auto not in ("", "auto", "0", "off"):
         raise ValueError(f"env {ENV_AUTO}={env_auto!r}: only 'auto' (or unset) is understood")
-    auto = auto or env_auto == "auto"
+    if auto or env_auto == "auto":
+        return dataclasses.replace(cfg, enabled=True, auto=True)
     given = {
-        k: v
-        for k, v in dict(
-            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
-        ).items()
-        if v is not None
+        "coordinator_address": pick(coordinator, ENV_COORDINATOR, str),
+        "num_processes": pick(num_processes, ENV_NUM_PROCESSES, int),
+        "process_id": pick(process_id, ENV_PROCESS_ID, int),
     }
-    if not given and not auto:
+    cluster, detected, hosts = _cluster(env, explicit=any(v is not None for v in given.values()))
+    given = {k: detected.get(k) if v is None else v for k, v in given.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
         return cfg
-    if num_processes == 1 and not auto:
+    if given.get("num_processes", cfg.num_processes) == 1:
         return dataclasses.replace(cfg, enabled=False)
-    return dataclasses.replace(cfg, enabled=True, auto=auto, **given)
+    out = dataclasses.replace(cfg, enabled=True, auto=False, **given)
+    if hosts > 1 and _is_loopback(out.coordinator_address):
+        raise ValueError(
+            f"coordinator address {out.coordinator_address} is a loopback address but this "
+            f"{cluster} job spans {hosts} hosts: pass --coordinator HOST:PORT (env "
+            f"{ENV_COORDINATOR}) with an address of process 0's host that the others reach"
+        )
+    return out
+
+
+def _cluster(env, *, explicit: bool) -> tuple[str, dict[str, Any], int]:
+    """(cluster name, the values it gives, the number of hosts the job spans: 1 when unknown)."""
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or 1)
+    if "SLURM_PROCID" in env and tasks > 1:  # inside `srun` with several tasks
+        port = env.get(ENV_PORT) or _SLURM_PORT_BASE + int(env["SLURM_JOB_ID"]) % _SLURM_PORT_SPAN
+        nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+        values = {
+            "coordinator_address": f"{first_slurm_host(nodes)}:{port}",
+            "num_processes": tasks,
+            "process_id": int(env["SLURM_PROCID"]),
+        }
+        return "SLURM", values, int(env.get("SLURM_STEP_NUM_NODES") or 1)
+    if "JOB_COMPLETION_INDEX" in env and explicit:  # a Kubernetes indexed Job / JobSet pod
+        n = int(env.get(ENV_NUM_PROCESSES) or 1)
+        return "Kubernetes", {"process_id": int(env["JOB_COMPLETION_INDEX"])}, n  # a pod each
+    return "multi-process", {}, 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist: 'gpu[003-006,9],cpu1' -> 'gpu003'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\],\-]+))?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    return m.group(1) + (m.group(2) or "")
+
+
+def _is_loopback(address: str | None) -> bool:
+    host = (address or "").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: resolved by each process (process 0's own may map to 127.x)
+
+
+_state: dict[str, Any] = {"cfg": None, "finished": False}
 
 
 def initialize(cfg: DistributedConfig) -> bool:
     """Initialise JAX's multi-controller runtime per ``cfg``; returns True if it did.
 
     Call it first, before anything touches a JAX device. Does nothing (returns False) when
-    ``cfg.enabled`` is False or the runtime is already initialised. With more than one process
-    and ``cfg.watchdog``, starts the ``Watchdog``.
+    ``cfg.enabled`` is False or the runtime is already initialised.
     """
     if not cfg.enabled or jax.distributed.is_initialized():
         return False
     if cfg.cpu_collectives != "none":
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "initialization_timeout": cfg.initialization_timeout,
         "heartbeat_timeout_seconds": cfg.heartbeat_timeout,
+        "shutdown_timeout_seconds": cfg.shutdown_timeout,
     }
     if cfg.local_device_ids is not None:
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
     if not cfg.auto:
+        # All given: JAX's own detection would otherwise restrict a SLURM task to one GPU.
         kwargs.update(
             coordinator_address=cfg.coordinator_address,
             num_processes=cfg.num_processes,
             process_id=cfg.process_id,
+            cluster_detection_method="deactivate",
         )
     jax.distributed.initialize(**kwargs)
-    if cfg.watchdog and jax.process_count() > 1:
-        host = cfg.coordinator_address.rsplit(":", 1)[0] if cfg.coordinator_address else None
-        Watchdog.start(host=host, timeout=cfg.watchdog_timeout)
+    _state.update(cfg=cfg, finished=False)
     return True
 
 
 def finish() -> None:
-    """Tells the other processes that this one ends cleanly (no "lost process" report); call it
-    when the job's work is done. A process that exits without it counts as lost."""
-    if Watchdog.current is not None:
-        Watchdog.current.goodbye()
+    """Marks this process's clean end (call it when the job's work is done): an error after it
+    is not reported as a lost process. JAX's shutdown barrier runs at exit."""
+    _state["finished"] = True
+
+
+def report_failure(error: BaseException) -> None:
+    """Called with the exception that ends a process of a multi-process job: asks JAX's
+    coordination service which processes are alive (it answers within ``heartbeat_timeout``),
+    prints one line naming the lost ones and exits with status 1 (``os._exit``: JAX's shutdown
+    barrier would wait for the dead, then abort). Returns (the caller raises ``error``) in a
+    single-process run, after ``finish()``, or when every process is alive and failed alike.
+    A process whose peers stay alive without failing (an error of its own) also exits at once,
+    with its error: the others then report it as lost."""
+    cfg = _state["cfg"]
+    if cfg is None or _state["finished"] or jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    alive = _alive_processes(timeout=cfg.heartbeat_timeout + 10)
+    if isinstance(alive, set):
+        lost = sorted(set(range(jax.process_count())) - alive)
+        if not lost:
+            return
+        what = (
+            f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+            f"(no heartbeat to JAX's coordination service for {cfg.heartbeat_timeout} s)"
+        )
+    else:
+        what = _one_line(error) + (f" ({alive})" if alive else "")
+    print(
+        f"jaxrlvr: error: process {me}: {what}; stopping this process (restart every process "
+        "with --resume to continue from the last checkpoint)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
+
+
+def _alive_processes(timeout: float) -> set[int] | str:
+    """The live processes by JAX's coordination service (``multihost_utils.live_devices``: a
+    barrier of the live processes), or why they are unknown."""
+    from jax.experimental import multihost_utils
+
+    box: dict[str, Any] = {}
+
+    def ask():
+        try:
+            with multihost_utils.live_devices(jax.devices()) as devices:
+                box["alive"] = {d.process_index for d in devices}
+        except Exception as e:  # the service is gone, or the API changed
+            box["error"] = f"liveness unknown: {_one_line(e)}"
+
+    thread = threading.Thread(target=ask, name="jaxrlvr-liveness", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return box.get("alive", box.get("error", ""))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,157 +379,6 @@ def reduce_metrics(
         else:
             out[k] = float(col.mean())
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Liveness
-
-
-class Watchdog:
-    """Every process keeps one TCP connection to process 0 (a star), each side sending a
-    heartbeat byte every ``timeout / 6`` seconds. Process 0 reports a connection that closes
-    without a goodbye, or stays silent for ``timeout`` seconds, and tells the others which
-    process was lost; a non-zero process reports process 0's connection closing. The report is
-    one line on stderr, then ``os._exit(1)``."""
-
-    current: Watchdog | None = None
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self.interval = max(timeout / 6, 0.2)
-        self.pid = jax.process_index()
-        self.lost: str | None = None
-        self._done = threading.Event()
-        self._peers: dict[int, socket.socket] = {}
-        self._lock = threading.Lock()
-
-    @classmethod
-    def start(cls, *, host: str | None, timeout: float) -> Watchdog:
-        """Connects every process to process 0 (a collective: all processes call it)."""
-        from jax.experimental import multihost_utils
-
-        dog = cls(timeout)
-        n = jax.process_count()
-        listener = None
-        if dog.pid == 0:
-            listener = socket.create_server(("", 0), backlog=n)
-            port = listener.getsockname()[1]
-            ip = socket.gethostbyname(host) if host else _own_ip()
-            packed = np.asarray([port, *map(int, ip.split("."))], np.int64)
-        else:
-            packed = np.zeros(5, np.int64)
-        packed = np.asarray(multihost_utils.broadcast_one_to_all(packed))
-        port, ip = int(packed[0]), ".".join(str(int(x)) for x in packed[1:])
-        if dog.pid == 0:
-            listener.settimeout(120)
-            for _ in range(n - 1):
-                conn, _ = listener.accept()
-                peer = int(conn.makefile("rb").readline().decode().strip() or -1)
-                dog._peers[peer] = conn
-            listener.close()
-        else:
-            conn = socket.create_connection((ip, port), timeout=120)
-            conn.sendall(f"{dog.pid}\n".encode())
-            dog._peers[0] = conn
-        for conn in dog._peers.values():
-            conn.setblocking(False)
-        threading.Thread(target=dog._watch, name="jaxrlvr-watchdog", daemon=True).start()
-        cls.current = dog
-        return dog
-
-    def goodbye(self) -> None:
-        """A clean end: tell the peers, stop watching."""
-        if self._done.is_set():
-            return
-        self._done.set()
-        with self._lock:
-            for conn in self._peers.values():
-                try:
-                    conn.setblocking(True)
-                    conn.sendall(b"B")
-                    conn.close()
-                except OSError:
-                    pass
-
-    def _send_all(self, data: bytes) -> None:
-        with self._lock:
-            for conn in self._peers.values():
-                try:
-                    conn.send(data)
-                except (BlockingIOError, OSError):
-                    pass
-
-    def _fatal(self, message: str) -> None:
-        if self._done.is_set():
-            return
-        self.lost = message
-        if self.pid == 0:  # let the others name the same lost process
-            self._send_all(f"L{message}\n".encode())
-        print(
-            f"jaxrlvr: error: process {self.pid}: {message}; stopping this process (restart "
-            "every process with --resume to continue from the last checkpoint)",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
-
-    def _watch(self) -> None:
-        last_seen = {p: time.monotonic() for p in self._peers}
-        last_sent = 0.0
-        buffers = {p: b"" for p in self._peers}
-        while not self._done.is_set():
-            now = time.monotonic()
-            if now - last_sent >= self.interval:
-                self._send_all(b".")
-                last_sent = now
-            conns = {c: p for p, c in self._peers.items()}
-            try:
-                readable, _, _ = select.select(list(conns), [], [], self.interval / 2)
-            except (OSError, ValueError):
-                return
-            if self._done.is_set():
-                return
-            for conn in readable:
-                peer = conns[conn]
-                try:
-                    data = conn.recv(4096)
-                except BlockingIOError:
-                    continue
-                except OSError as e:
-                    self._fatal(f"lost process {peer} (connection error: {e})")
-                    return
-                if not data:
-                    self._fatal(f"lost process {peer} (it exited or was killed mid-run)")
-                    return
-                last_seen[peer] = time.monotonic()
-                buffers[peer] += data
-                if b"L" in buffers[peer]:  # process 0 names a lost process
-                    text = buffers[peer].split(b"L", 1)[1]
-                    if b"\n" in text:
-                        self._fatal(text.split(b"\n", 1)[0].decode() + " (reported by process 0)")
-                        return
-                    continue
-                if b"B" in buffers[peer]:  # a clean goodbye: stop watching that peer
-                    if self.pid != 0:
-                        self._done.set()
-                        return
-                    with self._lock:
-                        self._peers.pop(peer).close()
-                    last_seen.pop(peer)
-            if self.pid == 0 and not self._peers:
-                return
-            for peer, seen in last_seen.items():
-                if time.monotonic() - seen > self.timeout:
-                    self._fatal(f"lost process {peer} (no heartbeat for {self.timeout:.0f} s)")
-                    return
-
-
-def _own_ip() -> str:
-    """This host's address as the other hosts see it (auto-detected clusters)."""
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,6 +130,74 @@ def test_one_process_is_one_row_block_and_metrics_pass_through():
     assert distributed.allgather_json({"a": 1}) == [{"a": 1}]
 
 
-def test_config_checks_watchdog_timeout():
-    with pytest.raises(ValueError, match="watchdog_timeout must be > 0"):
-        dataclasses.replace(distributed.DistributedConfig(), watchdog_timeout=0)
+def test_config_checks_timeouts():
+    with pytest.raises(ValueError, match="distributed.heartbeat_timeout must be a whole number"):
+        dataclasses.replace(distributed.DistributedConfig(), heartbeat_timeout=0)
+    with pytest.raises(ValueError, match="distributed.shutdown_timeout must be a whole number"):
+        dataclasses.replace(distributed.DistributedConfig(), shutdown_timeout=2.5)
+
+
+SLURM = {  # what srun sets in task 1 of a 4-task step on two nodes
+    "SLURM_JOB_ID": "123456",
+    "SLURM_PROCID": "1",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NODELIST": "gpu[007-008]",
+    "SLURM_JOB_NODELIST": "gpu[001-008]",
+}
+
+
+def test_slurm_step_is_detected():
+    base = distributed.DistributedConfig()
+    cfg = distributed.from_flags(base, environ=SLURM)
+    port = 61000 + 123456 % 4000
+    assert (cfg.enabled, cfg.auto, cfg.coordinator_address, cfg.num_processes, cfg.process_id) == (
+        True,
+        False,
+        f"gpu007:{port}",
+        4,
+        1,
+    )
+    # JAXRLVR_PORT, env vars and flags win over what SLURM says
+    cfg = distributed.from_flags(base, process_id=3, environ={**SLURM, "JAXRLVR_PORT": "999"})
+    assert (cfg.coordinator_address, cfg.process_id) == ("gpu007:999", 3)
+    # One task (an sbatch script, `srun -n1`): one process
+    assert distributed.from_flags(base, environ={**SLURM, "SLURM_STEP_NUM_TASKS": "1"}) == base
+    assert [
+        distributed.first_slurm_host(x)
+        for x in ("node001", "node001,host2", "node[001-015],host2", "n[7,9-11]", "a-b[03]")
+    ] == ["node001", "node001", "node001", "n7", "a-b03"]
+
+
+def test_kubernetes_index_is_the_process_id():
+    base = distributed.DistributedConfig()
+    pod = {"JOB_COMPLETION_INDEX": "2", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert distributed.from_flags(base, environ=pod) == base  # no job size given: one process
+    env = {**pod, "JAXRLVR_COORDINATOR": "train-0.train:1234", "JAXRLVR_NUM_PROCESSES": "4"}
+    cfg = distributed.from_flags(base, environ=env)
+    assert (cfg.enabled, cfg.coordinator_address, cfg.num_processes, cfg.process_id) == (
+        True,
+        "train-0.train:1234",
+        4,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {**SLURM, "JAXRLVR_COORDINATOR": "127.0.0.1:1234"},
+        {**SLURM, "SLURM_STEP_NODELIST": "localhost,gpu2"},
+        {
+            "JOB_COMPLETION_INDEX": "0",
+            "JAXRLVR_COORDINATOR": "[::1]:9",
+            "JAXRLVR_NUM_PROCESSES": "2",
+        },
+    ],
+)
+def test_a_loopback_coordinator_of_a_multi_host_job_is_refused_naming_the_flag(environ):
+    with pytest.raises(ValueError, match=r"is a loopback address .* pass --coordinator HOST:PORT"):
+        distributed.from_flags(distributed.DistributedConfig(), environ=environ)
+    # on one host (the tests' case) it is what one wants
+    one_host = {**environ, "SLURM_STEP_NUM_NODES": "1", "JAXRLVR_NUM_PROCESSES": "1"}
+    distributed.from_flags(distributed.DistributedConfig(), environ=one_host)
