@@ -83,3 +83,22 @@ def test_loop_exits_zero_after_sigterm_in_a_subprocess():
 def test_second_sigterm_stops_now():
     code, out = _run("twice", 2)
     assert code == -signal.SIGTERM and out == "saved after SIGTERM\n"
+
+
+def test_several_processes_stop_where_jax_preemption_sync_point_says(monkeypatch):
+    """Multi-process: SIGTERM is left to JAX's notifier, and should_stop reports every step
+    (also skipped ones, and those before a resumed start) to its sync point; a process that got
+    no signal stops there too, with a reason. The real two-process run is in test_multihost."""
+    from jax.experimental import multihost_utils
+
+    calls = []
+    monkeypatch.setattr(interrupt, "_several_processes", lambda: True)
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda s: calls.append(s) or s == 7
+    )
+    before = signal.getsignal(signal.SIGTERM)
+    with interrupt.GracefulStop() as stop:
+        assert signal.getsignal(signal.SIGTERM) is before  # no Python handler over JAX's
+        assert not stop.should_stop(5) and calls == [1, 2, 3, 4, 5]
+        assert stop.should_stop(7) and calls[5:] == [6, 7]  # 6 was skipped by the loop
+        assert stop.requested == "SIGTERM"

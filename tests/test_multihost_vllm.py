@@ -1,9 +1,15 @@
-"""A two-process ``jaxrlvr train`` job sharing one real CPU vLLM server (``sampler.vllm_urls``).
+"""Two-process ``jaxrlvr train`` jobs with real CPU vLLM servers, in both modes of
+``builders.build_sampler``, against one reference: 1 process x 8 devices using one server.
 
-The server is started here on the trainer's initial model; process 0 pushes every step's weights
-to it (the other process waits at a barrier) and each process sends its own prompts. 3 GRPO steps
-of 2 processes x 4 fake devices end with the parameters (1e-5) and log the metrics of 1 process
-x 8 devices using the same server. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``).
+- One server group shared by the job (``sampler.vllm_urls``): the server is started here on the
+  trainer's initial model; process 0 pushes every step's weights to it (the other waits at a
+  barrier) and each process sends its own prompts.
+- One server group per host (no ``vllm_urls``): each process starts its own server and pushes the
+  gathered weights to it (``distributed.ProcessSyncedSampler(shared=False)``).
+
+3 GRPO steps of 2 processes x 4 fake devices end with the reference's parameters (1e-5) and log
+its metrics. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``); each server is about 2 GB and
+1 core while it starts.
 """
 
 import os
@@ -71,20 +77,47 @@ def shared_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_two_processes_share_one_vllm_server_like_one_process(shared_server, tmp_path):
-    url = f"sampler.vllm_urls=[{shared_server}]"
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    mh.finish(mh.start(single, url, processes=1, args=VLLM_TINY))
-    mh.finish(mh.start(multi, url, args=VLLM_TINY))
-    step_a, a = mh.final_params(single)
+@pytest.fixture(scope="module")
+def reference(shared_server, tmp_path_factory):
+    """The 1-process x 8-device run on the shared server: its run dir."""
+    single = tmp_path_factory.mktemp("vllm_reference") / "single"
+    mh.finish(mh.start(single, f"sampler.vllm_urls=[{shared_server}]", processes=1, args=VLLM_TINY))
+    return single
+
+
+def assert_like_reference(reference, multi):
+    step_a, a = mh.final_params(reference)
     step_b, b = mh.final_params(multi)
     assert step_a == step_b == 3
     for k in a:
         # float32 on both sides; reductions in another order: ~1e-7 apart.
         mh.np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
-    mh.assert_same_metrics(single, multi)
+    mh.assert_same_metrics(reference, multi)
     lines = mh.metric_lines(multi)
     assert all(x["grad_norm"] > 0 for x in lines[1:])
     assert lines[1]["grading/n"] == 16  # both processes' rollouts
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_processes_share_one_vllm_server_like_one_process(shared_server, reference, tmp_path):
+    multi = tmp_path / "multi"
+    mh.finish(mh.start(multi, f"sampler.vllm_urls=[{shared_server}]", args=VLLM_TINY))
+    assert_like_reference(reference, multi)
+    assert not list(multi.glob("vllm_server*.log"))  # no process started a server of its own
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_processes_with_a_vllm_server_each_like_one_process(reference, tmp_path):
+    multi = tmp_path / "multi"
+    per_host = [
+        f"sampler.vllm_python={os.environ['JAXRLVR_VLLM_PYTHON']}",
+        "sampler.vllm_max_model_len=64",
+        "sampler.vllm_device=cpu",
+    ]
+    outs = mh.finish(mh.start(multi, *per_host, args=VLLM_TINY))
+    assert_like_reference(reference, multi)
+    # Each process started one server of its own.
+    started = [out + err for _, out, err in outs if "starting 1 vLLM server(s)" in out + err]
+    assert len(started) == 2, [x[-500:] for x in started]
