@@ -207,6 +207,7 @@ class Sandbox:
         self.cfg = cfg
         self.python = cfg.python or base_python()
         self.starts = 0
+        self.uid_base = _uid_base()  # programs run as uids uid_base .. uid_base + 99 (as root)
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._workdir: str | None = None
@@ -216,7 +217,7 @@ class Sandbox:
         cfg = self.cfg
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if cfg.kind == "bwrap":
-            cmd = bwrap_command(cfg, self.python, _uid_base())
+            cmd = bwrap_command(cfg, self.python, self.uid_base)
         else:
             print(
                 "[jaxrlvr] WARNING: reward.sandbox=none: model-written code runs WITHOUT a "
@@ -229,7 +230,7 @@ class Sandbox:
             env["JAXRLVR_SANDBOX_WORK"] = self._workdir
             cmd = [self.python, "-I", "-S", "-B", HARNESS_PATH]
             if os.geteuid() == 0:
-                cmd += ["--uid-base", str(_uid_base())]
+                cmd += ["--uid-base", str(self.uid_base)]
         self._proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

