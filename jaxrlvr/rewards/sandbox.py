@@ -180,6 +180,14 @@ def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
         cmd += ["--ro-bind-try", path, path]
     prefix = os.path.dirname(os.path.dirname(python))  # .../bin/python3.x -> install prefix
     if prefix not in ("/", "/usr") and not prefix.startswith("/usr/"):
+        # Traversable parents (an interpreter under /root would otherwise sit behind a 0700
+        # directory that the programs' uid cannot enter); nothing of them is bound.
+        parents, parent = [], os.path.dirname(prefix)
+        while parent not in ("/", ""):
+            parents.append(parent)
+            parent = os.path.dirname(parent)
+        for parent in reversed(parents):
+            cmd += ["--perms", "0755", "--dir", parent]
         cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--ro-bind", HARNESS_PATH, _HARNESS_IN_SANDBOX]
     cmd += ["--dev", "/dev", "--proc", "/proc"]
