@@ -316,3 +316,37 @@ def test_harness_protocol_survives_malformed_requests(box):
     assert reply["status"] == "harness_error"
     result = box.run(GOOD, [{"expr": "f(1)", "expected": "2"}])
     assert result.passed == (True,) and json.dumps(result.passed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except OSError:
+        return False
+
+
+def test_sandbox_dies_with_its_grader():
+    """A grading worker killed mid-program (GradingPool does this on its deadline) takes its
+    sandbox and the program along."""
+    import subprocess
+    import sys
+
+    script = (
+        "from jaxrlvr.rewards import sandbox\n"
+        "box = sandbox.Sandbox()\n"
+        "print(box._proc.pid, box.uid_base, flush=True)\n"
+        "box.run('import time\\ntime.sleep(60)', [{'stmt': 'pass'}])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    bwrap_pid, uid_base = map(int, proc.stdout.readline().split())
+    deadline = time.monotonic() + 10
+    while not sandbox_processes(uid_base) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes(uid_base), "the program should be running"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while (sandbox_processes(uid_base) or _alive(bwrap_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes(uid_base) == [] and not _alive(bwrap_pid)
