@@ -1,15 +1,20 @@
-"""Verifiable rewards: R1-Zero format and answer equivalence, GSM8K, and time-bounded grading.
+"""Verifiable rewards: R1-Zero format and answer equivalence, GSM8K, code run against tests in a
+sandbox, and time-bounded grading.
 
 Plain host-side Python (no JAX). The submodules:
 
 - ``math_equiv``: ``is_equivalent(pred, gold)`` (math-verify plus normalisations).
 - ``verifiers``: the reward functions and the ``RewardFn`` interface.
 - ``grading``: ``GradingPool``, a process pool with a per-call deadline, and ``GradingStats``.
+- ``code``: ``code_reward_fn`` (``reward.fn: code``), ``CodeTask`` (a code problem's tests),
+  ``CodeRewardConfig``; ``sandbox``: ``Sandbox``, the warm bubblewrap sandbox that runs the
+  programs (docs/code.md).
 
 The names below are re-exported for the training loop and users.
 """
 
-from jaxrlvr.rewards import grading, math_equiv, verifiers
+from jaxrlvr.rewards import code, grading, math_equiv, sandbox, verifiers
+from jaxrlvr.rewards.code import CodeRewardConfig, CodeTask, code_reward_fn
 from jaxrlvr.rewards.grading import GradingPool, GradingStats, grade_in_process
 from jaxrlvr.rewards.math_equiv import is_equivalent
 from jaxrlvr.rewards.verifiers import (
@@ -25,10 +30,14 @@ from jaxrlvr.rewards.verifiers import (
 )
 
 __all__ = [
+    "CodeRewardConfig",
+    "CodeTask",
     "GradingPool",
     "GradingStats",
     "RewardConfig",
     "RewardFn",
+    "code",
+    "code_reward_fn",
     "grade_in_process",
     "grading",
     "gsm8k_reward_fn",
@@ -38,6 +47,7 @@ __all__ = [
     "math_equiv",
     "question_only_reward_fn",
     "r1_zero_reward_fn",
+    "sandbox",
     "synthetic_reward_fn",
     "verifiers",
     "zero_reward",
