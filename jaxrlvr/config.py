@@ -13,7 +13,8 @@ import os
 from typing import Literal
 
 from jaxrlvr import configlib
-from jaxrlvr.algos import loss_config, updates
+from jaxrlvr.algos import loss_config
+from jaxrlvr.algos import ppo as ppo_lib
 from jaxrlvr.algos.optim import OptimizerConfig
 from jaxrlvr.data.scratchpad import ScratchpadConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
@@ -242,7 +243,7 @@ class SFTSection:
     steps: int = 0
     batch_size: int = 32
     microbatches: int = 1
-    # Positions per lm_head/log-softmax chunk (``updates.SFTUpdateConfig.logprob_chunk_size``):
+    # Positions per lm_head/log-softmax chunk (``sft.SFTUpdateConfig.logprob_chunk_size``):
     # bounds the [tokens, V] float32 logits; None computes them whole.
     logprob_chunk_size: int | None = None
     packing: bool = True
@@ -291,7 +292,7 @@ class RLSection:
     epochs_per_step: int = 1
     microbatches: int = 1
     # Positions per lm_head/log-softmax chunk in the update and the old/reference passes
-    # (``updates.GRPOUpdateConfig.logprob_chunk_size``); None computes [tokens, V] logits whole.
+    # (``grpo.GRPOUpdateConfig.logprob_chunk_size``); None computes [tokens, V] logits whole.
     logprob_chunk_size: int | None = None
     advantage: loss_config.AdvantageConfig = dataclasses.field(
         default_factory=loss_config.AdvantageConfig
@@ -302,7 +303,7 @@ class RLSection:
     # PPO's own settings; its policy loss is ``loss``. trunk "separate" trains a critic model of
     # its own, copied from the policy when the RL phase starts, with the policy's optimiser
     # settings.
-    ppo: updates.PPOConfig = dataclasses.field(default_factory=updates.PPOConfig)
+    ppo: ppo_lib.PPOConfig = dataclasses.field(default_factory=ppo_lib.PPOConfig)
     drop_zero_variance_groups: bool = False
     difficulty_filter: bool = False
     difficulty_filter_k: int = 4

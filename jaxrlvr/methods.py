@@ -16,7 +16,7 @@ from flax import nnx
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import preference, updates
+from jaxrlvr.algos import grpo, ppo, preference, sft
 from jaxrlvr.algos import step as step_lib
 
 
@@ -30,40 +30,50 @@ def make_algorithm(
     microbatches: int | None = None,
 ) -> algorithm_lib.Algorithm:
     """The algorithm record of a training phase ("sft" or "rl"): the one place where the config's
-    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's.
+    ``rl.algo`` string becomes code. An SFT-only run (``rl.algo: none``) stays with SFT's. An RL
+    record trains each batch ``rl.epochs_per_step`` times in one ``update`` call (the record owns
+    its epochs: a driver calls ``update`` once per step).
 
     ``microbatches``: the RL record's microbatch count (default ``rl.microbatches``), for the
     count a token budget chose (``rl.max_tokens_per_microbatch``); the state it inits has the
     same shapes whatever the count."""
     if phase == "sft" or cfg.rl.algo == "none":
-        sft_cfg = updates.SFTUpdateConfig(
+        sft_cfg = sft.SFTUpdateConfig(
             num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
         )
-        return algorithm_lib.sft(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
+        return sft.sft_algorithm(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
     rl = cfg.rl
     microbatches = rl.microbatches if microbatches is None else microbatches
+    epochs = rl.epochs_per_step
     if rl.algo == "grpo":
-        grpo_cfg = updates.GRPOUpdateConfig(
+        grpo_cfg = grpo.GRPOUpdateConfig(
             loss=rl.policy_loss,
             num_microbatches=microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,
         )
-        return algorithm_lib.grpo(
+        return grpo.grpo_algorithm(
             graphdef,
             cfg.optim,
             grpo_cfg,
             mesh=mesh,
-            epochs_per_batch=rl.epochs_per_step,
+            epochs_per_batch=epochs,
             rollouts_may_be_stale=rl.max_staleness > 0,
         )
     if rl.algo == "ppo":
-        ppo_cfg = updates.PPOUpdateConfig(
+        ppo_cfg = ppo.PPOUpdateConfig(
             loss=rl.policy_loss,
             num_microbatches=microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,
             **dataclasses.asdict(rl.ppo),
         )
-        return algorithm_lib.ppo(graphdef, cfg.optim, ppo_cfg, params_shape=params_shape, mesh=mesh)
+        return ppo.ppo_algorithm(
+            graphdef,
+            cfg.optim,
+            ppo_cfg,
+            params_shape=params_shape,
+            mesh=mesh,
+            epochs_per_batch=epochs,
+        )
     if rl.algo in config_lib.PREFERENCE_ALGOS:
         loss = preference.PreferenceLossConfig(
             kind=rl.algo,
@@ -75,12 +85,16 @@ def make_algorithm(
         pref_cfg = preference.PreferenceUpdateConfig(
             loss=loss, num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
         )
-        return algorithm_lib.preference(graphdef, cfg.optim, pref_cfg, mesh=mesh)
+        return preference.preference_algorithm(
+            graphdef, cfg.optim, pref_cfg, mesh=mesh, epochs_per_batch=epochs
+        )
     if rl.algo == "expert_iteration":
-        ei_cfg = updates.SFTUpdateConfig(
+        ei_cfg = sft.SFTUpdateConfig(
             num_microbatches=microbatches, logprob_chunk_size=rl.logprob_chunk_size
         )
-        return algorithm_lib.expert_iteration(graphdef, cfg.optim, ei_cfg, mesh=mesh)
+        return sft.expert_iteration_algorithm(
+            graphdef, cfg.optim, ei_cfg, mesh=mesh, epochs_per_batch=epochs
+        )
     raise ValueError(f"rl.algo={rl.algo!r}: no such algorithm")
 
 

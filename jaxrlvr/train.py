@@ -555,10 +555,8 @@ class Trainer:
         return jax.block_until_ready(batch), metrics
 
     def update(self, batch, microbatches: int | None = None):
-        compiled = self.compiled_for(microbatches)
-        metrics = {}
-        for _ in range(self.cfg.rl.epochs_per_step):
-            self.state, metrics = compiled.update(self.state, batch)
+        # One call per step: the record runs rl.epochs_per_step epochs itself.
+        self.state, metrics = self.compiled_for(microbatches).update(self.state, batch)
         return metrics
 
     def sampler_weights(self):

@@ -20,7 +20,7 @@ import numpy as np
 from jaxrlvr import builders, rollout, train
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr.algos import updates
+from jaxrlvr.algos import engine
 
 
 def main(warm: str, pairs_path: str, runs: list[str]) -> None:
@@ -31,7 +31,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     pairs = [json.loads(line) for line in open(pairs_path)]
 
     def response_logps(lm, prompts, responses):
-        fn = jax.jit(lambda b: updates.token_logprobs(lm, b)[0])
+        fn = jax.jit(lambda b: engine.token_logprobs(lm, b)[0])
         out = []
         for i in range(0, len(prompts), 256):
             p = [builders.encode(tok, x) for x in prompts[i : i + 256]]

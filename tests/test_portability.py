@@ -12,7 +12,7 @@ the trainer and the sampler really use:
   records' ``init`` (the step-0 state) and ``model.init_model``'s random initialisation; on
   packed rows (the driver's default: segment ids, per-segment positions) and, for SFT, GRPO and
   PPO, on padded rows;
-- the log-prob function (``updates.make_logprob_fn``), packed and padded;
+- the log-prob function (``engine.make_logprob_fn``), packed and padded;
 - the sampler's generate program (``jax_sampler._generate_jit``) with the exact arguments that
   ``JaxSampler`` passes it (recorded from a tiny sampler on the same mesh, then re-targeted at
   the 1.5B parameters): greedy, top-k + top-p, top-p alone (the sorted path), and under a
@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, loss_config, optim, preference, step, updates
+from jaxrlvr.algos import algorithm, engine, grpo, loss_config, optim, ppo, preference, sft, step
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.model import weights
 from jaxrlvr.sampling import base, jax_sampler
@@ -125,19 +125,19 @@ _PLC = loss_config.PolicyLossConfig
 
 
 def _grpo(epochs_per_batch=1, logprob_chunk_size=None, **loss):
-    cfg = updates.GRPOUpdateConfig(
+    cfg = grpo.GRPOUpdateConfig(
         loss=_PLC(**loss), num_microbatches=MICROBATCHES, logprob_chunk_size=logprob_chunk_size
     )
-    return lambda a: algorithm.grpo(
+    return lambda a: grpo.grpo_algorithm(
         a.graphdef, _OPT, cfg, mesh=a.mesh, epochs_per_batch=epochs_per_batch
     )
 
 
 def _ppo(trunk, **loss):
-    return lambda a: algorithm.ppo(
+    return lambda a: ppo.ppo_algorithm(
         a.graphdef,
         _OPT,
-        updates.PPOUpdateConfig(loss=_PLC(**loss), trunk=trunk, num_microbatches=MICROBATCHES),
+        ppo.PPOUpdateConfig(loss=_PLC(**loss), trunk=trunk, num_microbatches=MICROBATCHES),
         params_shape=a.params,
         mesh=a.mesh,
     )
@@ -147,12 +147,12 @@ def _preference(kind):
     cfg = preference.PreferenceUpdateConfig(
         loss=preference.PreferenceLossConfig(kind=kind), num_microbatches=MICROBATCHES
     )
-    return lambda a: algorithm.preference(a.graphdef, _OPT, cfg, mesh=a.mesh)
+    return lambda a: preference.preference_algorithm(a.graphdef, _OPT, cfg, mesh=a.mesh)
 
 
 def _sft_like(factory):
     return lambda a: factory(
-        a.graphdef, _OPT, updates.SFTUpdateConfig(num_microbatches=MICROBATCHES), mesh=a.mesh
+        a.graphdef, _OPT, sft.SFTUpdateConfig(num_microbatches=MICROBATCHES), mesh=a.mesh
     )
 
 
@@ -304,7 +304,7 @@ def test_every_algorithm_factory_is_covered():
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_logprob_fn_lowers(arch, packed, platform):
-    fn = updates.make_logprob_fn(arch.graphdef, num_microbatches=MICROBATCHES, mesh=arch.mesh)
+    fn = engine.make_logprob_fn(arch.graphdef, num_microbatches=MICROBATCHES, mesh=arch.mesh)
     batch = _rollouts(batch_lib.BatchSpec(), packed=packed)
     params_sh = M.param_shardings(arch.params, arch.mesh)
     rows = step.batch_shardings(batch, arch.mesh)

@@ -3,13 +3,15 @@
 Names, arguments and semantics follow the assignment so that its tests port directly: masked
 reductions, entropy and response log-probs from logits, prompt/output tokenisation, group-normalised
 rewards (GRPO, Shao et al. 2024 "DeepSeekMath"), the naive / baseline / GRPO-clip policy-gradient
-losses, and the SFT and GRPO microbatch losses. Everything returns float32 and is differentiable
-in ``policy_log_probs``.
+losses, the SFT and GRPO microbatch losses, and the per-instance DPO loss (with the course's
+Alpaca template, ``ALPACA_TEMPLATE``). Everything returns float32 and is differentiable in
+``policy_log_probs`` (the DPO loss: in the model's parameters).
 
 Deliberate differences from the PyTorch reference: nothing calls ``.backward()`` (the microbatch
 losses return the scalar to differentiate with ``jax.grad``), and ``tokenize_prompt_and_output``
 returns JAX arrays. The general estimators (RLOO, Dr. GRPO, DAPO, GSPO, TIS, KL) live in the
-sibling modules and are chosen by ``loss_config``; this module keeps only the course's API.
+sibling modules and are chosen by ``loss_config`` (the batched preference losses behind the DPO
+one: ``preference``); this module keeps only the course's API.
 """
 
 from collections.abc import Callable, Sequence
@@ -332,3 +334,84 @@ def grpo_microbatch_loss(
     if "clipped" in meta:
         meta["clip_fraction"] = masked_mean(meta["clipped"].astype(_f32), response_mask)
     return loss, meta
+
+
+# The Alpaca prompt template that CS336 assignment 5 uses for its SFT data and per-instance DPO
+# loss (``cs336_alignment/prompts/alpaca_sft.prompt``).
+ALPACA_TEMPLATE = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n{response}"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-instance DPO loss (spring 2025).
+
+
+def _response_logp(model: Any, ids: list[int], prompt_len: int) -> jax.Array:
+    """Summed log pi of ``ids[prompt_len:]`` given the tokens before each."""
+    x = jnp.asarray([ids[:-1]], jnp.int32)
+    labels = jnp.asarray([ids[1:]], jnp.int32)
+    logits = model(x, jnp.ones_like(x))
+    logp = logprobs_lib.logprobs_and_entropy(logits, labels)[0][0]
+    mask = jnp.arange(len(ids) - 1) >= prompt_len - 1  # label t is ids[t + 1]
+    return jnp.sum(jnp.where(mask, logp, 0.0))
+
+
+def per_instance_dpo_loss(
+    model: Any,
+    ref_model: Any,
+    tokenizer: Any,
+    beta: float,
+    prompt: str,
+    response_chosen: str,
+    response_rejected: str,
+) -> jax.Array:
+    """The DPO loss of one preference example (CS336 assignment 5's per-instance DPO loss).
+
+    The prompt and each response are formatted with the course's Alpaca template
+    (``ALPACA_TEMPLATE``)::
+
+        Below is an instruction that describes a task. Write a response that appropriately
+        completes the request.
+
+        ### Instruction:
+        {prompt}
+
+        ### Response:
+        {response}
+
+    (the first paragraph is one line), then tokenised without special tokens, and the
+    tokenizer's EOS token is appended after each response. With log pi(y|x) the sum of the
+    log-probs of the response tokens and the EOS (the prompt's own tokens would cancel in the
+    difference below), the loss is
+
+        -log sigma(beta [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))]).
+
+    The prompt prefix is tokenised once (the template up to ``{response}``) and the response
+    tokens are those of the full text after it, so a token that straddles the boundary counts
+    to the response.
+
+    Args:
+      model, ref_model: jaxrlvr Qwen2 causal LMs (called as ``model(input_ids, mask)``).
+      tokenizer: a Hugging Face tokenizer with ``eos_token_id``.
+      beta: DPO's beta. prompt, response_chosen, response_rejected: strings.
+    Returns:
+      the scalar float32 loss (differentiable in ``model``'s parameters under ``nnx.grad``).
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer.eos_token_id must be set: EOS is appended to each response")
+    prefix = ALPACA_TEMPLATE.split("{response}")[0].format(instruction=prompt)
+    prompt_len = len(tokenizer.encode(prefix, add_special_tokens=False))
+
+    def ids(response: str) -> list[int]:
+        text = ALPACA_TEMPLATE.format(instruction=prompt, response=response)
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    w, lo = ids(response_chosen), ids(response_rejected)
+    ref_w = jax.lax.stop_gradient(_response_logp(ref_model, w, prompt_len))
+    ref_l = jax.lax.stop_gradient(_response_logp(ref_model, lo, prompt_len))
+    h = (_response_logp(model, w, prompt_len) - ref_w) - (
+        _response_logp(model, lo, prompt_len) - ref_l
+    )
+    return -jax.nn.log_sigmoid(beta * h)

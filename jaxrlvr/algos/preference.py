@@ -9,7 +9,7 @@ defines; ``sequence_logps`` computes both from per-token log-probs.
 Notation: y_w the chosen (preferred) response, y_l the rejected one, pi the policy, pi_ref the
 frozen reference, sigma the logistic function, |y| the response length in tokens.
 
-The batch of a preference update (``make_preference_update``; ``algorithm.preference``) is a
+The batch of a preference update (``make_preference_update``; ``preference_algorithm``) is a
 plain ``batch.Batch`` of 2P padded rows, stacked: rows 0..P-1 hold the chosen responses and rows
 P..2P-1 the rejected ones, row i + P being the rejected response of the pair whose chosen
 response is row i (same prompt). The pair index is the position, so no new batch field is
@@ -18,7 +18,8 @@ splits the two halves, cuts each into microbatches of P / n pairs with the same 
 and runs one forward over a microbatch's 2P / n rows. Rows are one sequence each (unpacked):
 a batch with ``segment_ids`` is refused.
 
-``per_instance_dpo_loss`` is the CS336 (spring 2025) assignment-5 function on one example.
+The CS336 (spring 2025) assignment-5 function on one example, ``per_instance_dpo_loss``, is in
+``losses`` with the rest of the course's set.
 
 Not here: building pairs (``jaxrlvr.pairs``) and reading them (the driver).
 """
@@ -33,8 +34,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import loss_config, updates
+from jaxrlvr.algos import engine, loss_config
+from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 Kind = Literal["dpo", "ipo", "simpo", "orpo"]
@@ -44,13 +47,6 @@ Metrics = dict[str, jax.Array]
 REFERENCE_KINDS = ("dpo", "ipo")
 # Kinds whose paper uses length-normalised (per-token mean) sequence log-probs.
 LENGTH_NORMALISED_KINDS = ("simpo", "orpo")
-
-# The Alpaca prompt template that CS336 assignment 5 uses for its SFT data and per-instance DPO
-# loss (``cs336_alignment/prompts/alpaca_sft.prompt``).
-ALPACA_TEMPLATE = (
-    "Below is an instruction that describes a task. Write a response that appropriately "
-    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n{response}"
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,15 +101,15 @@ class PreferenceLossConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PreferenceUpdateConfig:
     """The preference update: the loss, microbatching (``num_microbatches`` must divide the
-    number of pairs P) and ``logprob_chunk_size`` as ``updates.SFTUpdateConfig``."""
+    number of pairs P) and ``logprob_chunk_size`` as ``sft.SFTUpdateConfig``."""
 
     loss: PreferenceLossConfig = dataclasses.field(default_factory=PreferenceLossConfig)
     num_microbatches: int = 1
     logprob_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        updates._check_microbatches(self.num_microbatches)
-        updates._check_chunk_size(self.logprob_chunk_size)
+        engine.check_microbatches(self.num_microbatches)
+        engine.check_chunk_size(self.logprob_chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,11 +444,11 @@ def make_preference_update(
     tx: optax.GradientTransformation,
     cfg: PreferenceUpdateConfig | None = None,
     *,
-    lr_schedule: updates.LRSchedule = None,
+    lr_schedule: engine.LRSchedule = None,
     mesh: Any = None,
 ) -> Callable:
     """Preference update on a stacked pair batch (module docstring): loss = sum over pairs of
-    the per-pair loss / P, microbatched over pairs by ``updates._make_update``.
+    the per-pair loss / P, microbatched over pairs by ``engine.make_update`` (one epoch).
 
     Metrics: ``loss``, ``reward_margin``, ``reward_accuracy`` (preference accuracy),
     ``chosen_reward``, ``rejected_reward``, ``chosen_logp``, ``rejected_logp`` (means over
@@ -481,7 +477,7 @@ def make_preference_update(
         chosen, rejected = mb
         both = stack_pairs(chosen, rejected)
         lm = nnx.merge(graphdef, params)
-        logp, _, _ = updates.token_logprobs(lm, both, chunk_size=cfg.logprob_chunk_size)
+        logp, _, _ = engine.token_logprobs(lm, both, chunk_size=cfg.logprob_chunk_size)
         seq, length = sequence_logps(logp, both.loss_mask)
         p = chosen.input_ids.shape[0]
         ref = (None, None)
@@ -501,79 +497,64 @@ def make_preference_update(
         metrics["token_count"] = jnp.sum(length)
         return loss, metrics
 
-    return updates._make_update(
+    return engine.make_update(
         spec=spec, tx=tx, lr_schedule=lr_schedule, mesh=mesh, full_batch=full_batch, loss_fn=loss_fn
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# CS336 assignment 5: the per-instance DPO loss.
+def preference_algorithm(
+    graphdef: nnx.GraphDef,
+    optimizer: algorithm_lib.Optimizer,
+    cfg: PreferenceUpdateConfig | None = None,
+    *,
+    mesh: Any = None,
+    logprob_microbatches: int | None = None,
+    epochs_per_batch: int = 1,
+) -> algorithm_lib.Algorithm:
+    """Offline preference optimisation: DPO, IPO, SimPO or ORPO (``cfg.loss.kind``, also the
+    record's name) on stacked pair batches (module docstring: P chosen rows, then the P
+    rejected rows in the same order; unpacked), each batch trained ``epochs_per_batch`` times per
+    ``update`` call (``engine.repeat_epochs``).
 
-
-def _response_logp(model: Any, ids: list[int], prompt_len: int) -> jax.Array:
-    """Summed log pi of ``ids[prompt_len:]`` given the tokens before each."""
-    x = jnp.asarray([ids[:-1]], jnp.int32)
-    labels = jnp.asarray([ids[1:]], jnp.int32)
-    logits = model(x, jnp.ones_like(x))
-    logp = updates.logprobs_and_entropy(logits, labels)[0][0]
-    mask = jnp.arange(len(ids) - 1) >= prompt_len - 1  # label t is ids[t + 1]
-    return jnp.sum(jnp.where(mask, logp, 0.0))
-
-
-def per_instance_dpo_loss(
-    model: Any,
-    ref_model: Any,
-    tokenizer: Any,
-    beta: float,
-    prompt: str,
-    response_chosen: str,
-    response_rejected: str,
-) -> jax.Array:
-    """The DPO loss of one preference example (CS336 assignment 5's per-instance DPO loss).
-
-    The prompt and each response are formatted with the course's Alpaca template
-    (``ALPACA_TEMPLATE``)::
-
-        Below is an instruction that describes a task. Write a response that appropriately
-        completes the request.
-
-        ### Instruction:
-        {prompt}
-
-        ### Response:
-        {response}
-
-    (the first paragraph is one line), then tokenised without special tokens, and the
-    tokenizer's EOS token is appended after each response. With log pi(y|x) the sum of the
-    log-probs of the response tokens and the EOS (the prompt's own tokens would cancel in the
-    difference below), the loss is
-
-        -log sigma(beta [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))]).
-
-    The prompt prefix is tokenised once (the template up to ``{response}``) and the response
-    tokens are those of the full text after it, so a token that straddles the boundary counts
-    to the response.
-
-    Args:
-      model, ref_model: jaxrlvr Qwen2 causal LMs (called as ``model(input_ids, mask)``).
-      tokenizer: a Hugging Face tokenizer with ``eos_token_id``.
-      beta: DPO's beta. prompt, response_chosen, response_rejected: strings.
-    Returns:
-      the scalar float32 loss (differentiable in ``model``'s parameters under ``nnx.grad``).
+    ``init`` copies the policy as the frozen reference for DPO and IPO (SimPO and ORPO are
+    reference-free). ``prepare`` computes the reference's ``ref_logp`` for the batch, in
+    ``logprob_microbatches`` chunks (default: the update's microbatches), unless the batch
+    already carries ``ref_logp``: a reference computed once for the whole data set and cached
+    (the driver's ``pref.cache_reference``; the reference is frozen, so the values are the
+    same) passes through, and no reference forward runs.
     """
-    if tokenizer.eos_token_id is None:
-        raise ValueError("tokenizer.eos_token_id must be set: EOS is appended to each response")
-    prefix = ALPACA_TEMPLATE.split("{response}")[0].format(instruction=prompt)
-    prompt_len = len(tokenizer.encode(prefix, add_special_tokens=False))
-
-    def ids(response: str) -> list[int]:
-        text = ALPACA_TEMPLATE.format(instruction=prompt, response=response)
-        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-    w, lo = ids(response_chosen), ids(response_rejected)
-    ref_w = jax.lax.stop_gradient(_response_logp(ref_model, w, prompt_len))
-    ref_l = jax.lax.stop_gradient(_response_logp(ref_model, lo, prompt_len))
-    h = (_response_logp(model, w, prompt_len) - ref_w) - (
-        _response_logp(model, lo, prompt_len) - ref_l
+    cfg = cfg or PreferenceUpdateConfig()
+    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
+    one_epoch = make_preference_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
+    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
+    needs_ref = cfg.loss.needs_reference
+    logprob_fn = engine.make_logprob_fn(
+        graphdef,
+        num_microbatches=logprob_microbatches or cfg.num_microbatches,
+        chunk_size=cfg.logprob_chunk_size,
+        mesh=mesh,
     )
-    return -jax.nn.log_sigmoid(beta * h)
+
+    def init(params, rng=0):
+        return state_lib.TrainState.create(
+            graphdef,
+            params,
+            tx,
+            algorithm_lib.prng_key(rng),
+            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
+        )
+
+    def prepare(state, rollouts):
+        if needs_ref and rollouts.ref_logp is None:
+            rollouts = rollouts.replace(ref_logp=logprob_fn(state.ref_params, rollouts)[0])
+        return algorithm_lib.select_fields(rollouts, update.batch_spec), {}
+
+    return algorithm_lib.Algorithm(
+        name=cfg.loss.kind,
+        init=init,
+        prepare=prepare,
+        update=update,
+        rollout_spec=batch_lib.BatchSpec(
+            optional=("ref_logp",) if needs_ref else (), num_microbatches=cfg.num_microbatches
+        ),
+    )

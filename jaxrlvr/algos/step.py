@@ -1,14 +1,16 @@
-"""Driver-facing compilation of an update: shardings, donation and host-side checks.
+"""Driver-facing compilation of an algorithm record: shardings, donation and host-side checks.
 
 ``state_shardings(state, mesh)`` derives a ``NamedSharding`` for every array of a ``TrainState``
 from the parameters' logical axes (``model.param_shardings``): the optimiser moments that mirror
 the params get the params' sharding, and so do a separate PPO critic's backbone and its moments
 (they carry the policy's logical axes); scalars (step, optax counts, rng) and the small PPO value
 head are replicated. ``batch_shardings(batch, mesh)`` shards every batch array's leading axis over
-('data', 'fsdp'). ``jit_update`` compiles ``update`` with those as explicit in/out shardings and
-``donate_argnums=0`` (the old state's buffers are reused), validates each batch on the host
-before the call (so a malformed batch never reaches the compiler), and optionally raises on a
-non-finite step.
+('data', 'fsdp'). ``CompiledAlgorithm`` jits a record's ``prepare`` and ``update`` with those as
+explicit in/out shardings and ``donate_argnums=0`` for the update (the old state's buffers are
+reused), validates the rollouts on the host before the call (so a malformed batch never reaches
+the compiler), and optionally raises on a non-finite step. It is the one compiled path: what
+``jaxrlvr train`` runs, and what ``jaxrlvr bench update``, ``bench memory`` and the GPU check
+time.
 
 Multi-host: every process calls these with the same global mesh. Two ways to feed a batch:
 
@@ -23,8 +25,7 @@ Multi-host: every process calls these with the same global mesh. Two ways to fee
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -40,7 +41,7 @@ OnNonfinite = Literal["skip", "raise"]
 
 
 class NonFiniteUpdateError(FloatingPointError):
-    """A ``jit_update(on_nonfinite="raise")`` step whose loss or gradient was not finite."""
+    """A ``CompiledAlgorithm(on_nonfinite="raise")`` step whose loss or gradient was not finite."""
 
 
 def state_shardings(state: state_lib.TrainState, mesh: Mesh) -> state_lib.TrainState:
@@ -212,48 +213,6 @@ def shard_local_batch(local_batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Bat
     return jax.tree.map(put, local_batch, batch_shardings(local_batch, mesh))
 
 
-def jit_update(
-    update: Callable,
-    state_shardings: state_lib.TrainState,
-    batch_shardings: batch_lib.Batch,
-    *,
-    on_nonfinite: OnNonfinite = "skip",
-) -> Callable:
-    """Compile ``update`` with explicit shardings and ``donate_argnums=0``.
-
-    Returns ``step(state, batch) -> (state, metrics)``: validates ``batch`` against
-    ``update.batch_spec`` on the host (raising ``batch.BatchError`` before any tracing), then calls
-    the compiled update. Metrics come back replicated. With ``on_nonfinite="raise"`` the step
-    reads ``metrics["nonfinite"]`` (one device-to-host sync) and raises ``NonFiniteUpdateError``;
-    the returned state would have been the unchanged input state.
-    """
-    loss_config.check_literal("on_nonfinite", on_nonfinite, OnNonfinite)
-    spec = getattr(update, "batch_spec", None)
-    mesh = jax.tree.leaves(state_shardings)[0].mesh
-    replicated = NamedSharding(mesh, PartitionSpec())
-    compiled = jax.jit(
-        update,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=0,
-    )
-
-    def step(state: state_lib.TrainState, batch: batch_lib.Batch):
-        if spec is not None:
-            batch_lib.validate_batch(batch, spec)
-        new_state, metrics = compiled(state, batch)
-        if on_nonfinite == "raise" and float(metrics["nonfinite"]) > 0:
-            raise NonFiniteUpdateError(
-                f"non-finite loss or gradient at step {int(state_step(new_state))}: "
-                f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
-            )
-        return new_state, metrics
-
-    step.compiled = compiled
-    step.batch_spec = spec
-    return step
-
-
 def state_step(state: state_lib.TrainState) -> int:
     """The (replicated) step counter as a Python int."""
     return int(jax.device_get(state.step))
@@ -269,7 +228,9 @@ class CompiledAlgorithm:
     tracing) and ``check_microbatch_split`` (every microbatch's rows divide over the mesh),
     places it on the mesh (the one host-to-device transfer of the step) and runs the
     jitted prepare; ``update(state, batch)`` runs the jitted, donated update on the prepared
-    device batch (validated at trace time by the update itself, so not again on the host).
+    device batch (validated at trace time by the update itself, so not again on the host): the
+    whole step, every epoch of it (the record owns its epochs), so a driver calls it once per
+    step.
     Both compile once per batch shape (length bucket); their metrics stay on device until the
     driver fetches them together.
     """
@@ -318,6 +279,12 @@ class CompiledAlgorithm:
         else:
             placed = shard_batch(rollouts, self.mesh)
         return self._prepare(state, placed)
+
+    def lower_update(self, state: Any, batch: Any) -> jax.stages.Lowered:
+        """The compiled update's program lowered for ``state`` and ``batch`` (arrays or their
+        ``jax.ShapeDtypeStruct`` shapes): ``.compile().memory_analysis()`` gives its memory
+        without running it (``jaxrlvr bench memory``)."""
+        return self._update.lower(state, batch)
 
     def update(self, state: state_lib.TrainState, batch: batch_lib.Batch):
         new_state, metrics = self._update(state, batch)

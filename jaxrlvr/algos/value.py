@@ -20,7 +20,7 @@ The critic's graph definition (``init_value_model``) is the policy's with the LM
 a critic never computes logits, and an untied ``lm_head`` would be V x D dead weights with Adam
 moments. For a tied model (``tie_word_embeddings``) it equals the policy's graph definition.
 
-Not here: the value loss itself (``gae.value_loss``) and the PPO update (``updates``).
+Not here: the value loss itself (``gae.value_loss``) and the PPO update (``ppo``).
 """
 
 import dataclasses
@@ -65,7 +65,7 @@ def init_value_model(
       rng, std: the head's initialisation (``init_value_head``; zeros by default: V = 0).
     Returns:
       ``(value_graphdef, value_params)``: the critic's graph definition (static: pass it to
-      ``make_value_fn`` and ``updates.make_ppo_update`` as ``value_graphdef``) and
+      ``make_value_fn`` and ``ppo.make_ppo_update`` as ``value_graphdef``) and
       ``{"backbone": nnx.State, "head": ValueParams}`` for ``TrainState.value_params``.
     """
     value_graphdef, backbone = _critic(graphdef, params)

@@ -2,10 +2,15 @@
 
 - Shapes are ``ModelConfig`` factories (float32, untied, 512 positions unless overridden):
   ``update_ref`` (issue 4's GRPO-update shape, ~31M params), ``sampler_ref`` (issue 5's rollout
-  and weight-sync shape, ~7M params) and ``tiny``; ``hf_kwargs`` turns one into the
-  ``transformers.Qwen2Config`` arguments for a random transformers model of the same size.
+  and weight-sync shape, ~7M params) and ``tiny`` (``ModelConfig.tiny``, vocabulary 512);
+  ``hf_kwargs`` turns one into the ``transformers.Qwen2Config`` arguments for a random
+  transformers model of the same size.
   They import ``jaxrlvr.model`` (so JAX) when called, not when this module is imported: the
   torch-only workers never call them, so JAX does not count towards their peak RSS.
+- ``trainer_step`` builds what ``jaxrlvr train`` compiles for a config's RL phase (the record of
+  ``methods.make_algorithm``, the state shardings of ``methods.abstract_state``, and
+  ``step.CompiledAlgorithm``), so ``bench update``, ``bench memory`` and the GPU check time and
+  measure the trainer's own path.
 - ``run_worker`` runs one system in a fresh ``python -m MODULE`` process (so its peak RSS is its
   own) on one real CPU device, and reads back the JSON record the worker wrote to ``--_out``.
 - ``parser`` and the ``add_*`` helpers: every ``jaxrlvr bench NAME`` spells the same thing the
@@ -33,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxrlvr.model import config as model_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The size fields of a Qwen2 config, in the order `qwen2` takes them.
 _SIZES = tuple(
@@ -63,9 +70,35 @@ def sampler_ref(**overrides) -> model_config.ModelConfig:
 
 
 def tiny(**overrides) -> model_config.ModelConfig:
-    """A tied ~0.1M-parameter model for runs of seconds (vocab 512, hidden 64, 2 layers)."""
-    overrides = dict(tie_word_embeddings=True) | overrides
-    return qwen2(vocab=512, hidden=64, mlp=128, layers=2, heads=4, kv_heads=2, **overrides)
+    """``ModelConfig.tiny`` (tied, ~0.1M parameters) with the benchmarks' vocabulary of 512, for
+    runs of seconds."""
+    from jaxrlvr.model import config as model_config
+
+    return model_config.ModelConfig.tiny(**(dict(vocab_size=512) | overrides))
+
+
+def train_config(overrides: Sequence[str], path: str | None = None):
+    """A ``TrainConfig`` from ``path`` (a YAML under ``configs/``, relative to the checkout; None:
+    the defaults) with dotted ``key=value`` overrides, as ``jaxrlvr train`` reads it."""
+    from jaxrlvr import config as config_lib
+
+    if path is not None and not os.path.isabs(path):
+        path = os.path.join(REPO, path)
+    return config_lib.load_config(path, list(overrides))
+
+
+def trainer_step(cfg, graphdef, params_shape, mesh, *, microbatches: int | None = None):
+    """(record, ``step.CompiledAlgorithm``, state shardings) of ``cfg``'s RL phase, built exactly
+    as the trainer builds them (``methods.make_algorithm`` with ``microbatches``,
+    ``methods.abstract_state``)."""
+    from jaxrlvr import methods
+    from jaxrlvr.algos import step
+
+    algo = methods.make_algorithm(
+        cfg, "rl", graphdef, params_shape, mesh, microbatches=microbatches
+    )
+    _, shardings = methods.abstract_state(algo, params_shape, mesh)
+    return algo, step.CompiledAlgorithm(algo, mesh, shardings), shardings
 
 
 def hf_kwargs(cfg: model_config.ModelConfig) -> dict[str, Any]:

@@ -7,8 +7,10 @@ its own process, one after the other, so each has the whole device and its own p
 - ``matmul``: bf16 8192^3 matmul TFLOP/s (the MFU denominator) and the HBM bandwidth of a large
   elementwise copy (read + write; the decode bound's denominator);
 - ``update``: the Qwen2.5-1.5B architecture (random weights; bf16 compute, fp32 master weights,
-  remat, scanned layers), a GRPO step through the algorithm record (``algorithm.grpo`` compiled
-  by ``step.CompiledAlgorithm``) on 8 rows x 1,024 tokens (256 prompt + 768 response) in 4
+  remat, scanned layers), a GRPO step through the trainer's own path (the record
+  ``methods.make_algorithm`` builds for a GRPO ``TrainConfig`` with asynchronous rollouts, so
+  that ``prepare`` runs the old log-prob pass, compiled by ``step.CompiledAlgorithm``;
+  ``bench.common.trainer_step``) on 8 rows x 1,024 tokens (256 prompt + 768 response) in 4
   microbatches: the forward (``prepare``: old log-probs) and the update, each with tokens/s, MFU
   against the measured matmul peak, and peak device memory;
 - ``sampler``: ``JaxSampler`` at that architecture (bf16 weights), 64 prompts of 128 tokens x 256
@@ -17,9 +19,10 @@ its own process, one after the other, so each has the whole device and its own p
 - ``demo``: ``configs/demo.yaml`` (SFT warm start, then GRPO with the JAX sampler) for 20 RL
   steps; wall time, the median RL step and held-out accuracy.
 
-MFU counts model FLOPs only: 2 x (non-embedding params + lm_head) per token forward, plus
-attention 4 x layers x heads x head_dim x T, three times that for forward + backward; the remat
-recompute is not counted (so it is MFU, not hardware FLOP utilisation).
+MFU counts model FLOPs only (``ModelConfig.flops_per_token``, the formula ``bench update`` uses
+too): 2 x (non-embedding params + lm_head) per token forward, plus attention 4 x layers x heads
+x head_dim x T, three times that for forward + backward; the remat recompute is not counted (so
+it is MFU, not hardware FLOP utilisation).
 
 ``--cpu-smoke``: tiny shapes (and a 2-step demo) on the CPU in well under two minutes, so that CI
 keeps this script working. The table goes to stdout; with ``$OUT`` set (or ``--out DIR``) it is
@@ -45,15 +48,6 @@ PARTS = ("matmul", "update", "sampler", "demo")
 # Per-part limits (seconds) for the full check: all four fit the 8-minute budget with margin.
 TIMEOUT_S = {"matmul": 40, "update": 160, "sampler": 110, "demo": 170}
 
-SMOKE_MODEL = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
 SHAPES = {
     # rows, prompt, response, microbatches; sampler prompts, prompt len, new tokens; matmul n
     "full": dict(rows=8, prompt=256, response=768, micro=4, sp=64, sp_len=128, new=256, n=8192),
@@ -81,17 +75,12 @@ DEMO_OVERRIDES = {
 def model_config(smoke: bool, **overrides):
     from jaxrlvr.model import config as model_config
 
-    if smoke:
-        return model_config.ModelConfig(**SMOKE_MODEL, max_position_embeddings=2048, **overrides)
+    if smoke:  # the tiny preset, vocabulary 512
+        return model_config.ModelConfig.tiny(
+            vocab_size=512, max_position_embeddings=2048, **overrides
+        )
     # Qwen2.5-1.5B (and -Math-1.5B): the architecture of the course's leaderboard model.
     return model_config.ModelConfig.qwen2_5_1_5b(max_position_embeddings=2048, **overrides)
-
-
-def flops_per_token(cfg, seq: int, passes: int) -> float:
-    """Model FLOPs per token: ``passes`` = 1 (forward) or 3 (forward + backward)."""
-    matmul_params = cfg.num_non_embedding_params() + cfg.vocab_size * cfg.hidden_size  # lm_head
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq
-    return passes * (2 * matmul_params + attention)
 
 
 def _device_info() -> dict:
@@ -165,25 +154,32 @@ def part_update(smoke: bool) -> dict:
     from flax import nnx
 
     from jaxrlvr import model as M
-    from jaxrlvr.algos import algorithm, optim, step, updates
     from jaxrlvr.algos import batch as batch_lib
+    from jaxrlvr.bench import common
 
     sh = SHAPES["smoke" if smoke else "full"]
     cfg = model_config(smoke, dtype="bfloat16", param_dtype="float32", remat=True)
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=-1, tensor=1))
     t0 = time.perf_counter()
     graphdef, params = nnx.split(M.init_model(cfg, seed=0, mesh=mesh), nnx.Param)
-    algo = algorithm.grpo(
-        graphdef,
-        optim.OptimizerConfig(learning_rate=1e-6),
-        updates.GRPOUpdateConfig(num_microbatches=sh["micro"]),
-        mesh=mesh,
+    # What ``jaxrlvr train`` compiles for a GRPO config: its record (methods.make_algorithm),
+    # state shardings and step.CompiledAlgorithm.
+    # rl.max_staleness=1: rollouts may be stale, so prepare runs the old log-prob pass (the
+    # forward timed below); without a correction the update does the synchronous one's work.
+    train_cfg = common.train_config(
+        [
+            "rl.algo=grpo",
+            f"rl.microbatches={sh['micro']}",
+            "rl.max_staleness=1",
+            "rl.off_policy_correction=false",
+            "optim.learning_rate=1e-6",
+        ]
     )
-    shape = jax.eval_shape(lambda p: algo.init(p, 0), jax.eval_shape(lambda p: p, params))
-    shardings = step.state_shardings(shape, mesh)
+    algo, compiled, shardings = common.trainer_step(
+        train_cfg, graphdef, jax.eval_shape(lambda p: p, params), mesh
+    )
     state = jax.device_put(algo.init(params, 0), shardings)
     del params
-    compiled = step.CompiledAlgorithm(algo, mesh, shardings)
     init_s = time.perf_counter() - t0
 
     rows, prompt, seq = sh["rows"], sh["prompt"], sh["prompt"] + sh["response"]
@@ -226,12 +222,12 @@ def part_update(smoke: bool) -> dict:
         "forward_compile_s": prepare_compile_s,
         "forward_s": forward_s,
         "forward_tokens_per_s": tokens / forward_s,
-        "forward_flops": tokens * flops_per_token(cfg, seq, 1),
+        "forward_flops": tokens * cfg.flops_per_token(seq, training=False),
         "forward_peak_gib": forward_peak,
         "update_compile_s": update_compile_s,
         "update_s": update_s,
         "update_tokens_per_s": tokens / update_s,
-        "update_flops": tokens * flops_per_token(cfg, seq, 3),
+        "update_flops": tokens * cfg.flops_per_token(seq),
         "update_peak_gib": _peak_memory_gib(),
         "final_loss": holder["loss"],
     }

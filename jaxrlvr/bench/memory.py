@@ -3,11 +3,13 @@
 For every configuration, a fresh worker process (with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX starts) builds the
 Qwen2.5-Math-1.5B architecture as abstract parameters (``nnx.eval_shape``: no weights, no
-memory) and the ``algorithm.grpo`` record of configs/r1_zero_qwen2.5_math_1.5b.yaml (bf16
-compute, float32 master weights and AdamW moments, remat, scanned layers,
-``seq_mean_token_mean``, clip 0.2, lr 1e-5, grad clip 1.0), jits its ``update`` with explicit
-shardings and donation exactly as ``step.CompiledAlgorithm`` does, lowers it on
-``ShapeDtypeStruct`` arguments and compiles it. It reports ``compiled.memory_analysis()`` per
+memory) and the GRPO record that ``jaxrlvr train`` builds from
+configs/r1_zero_qwen2.5_math_1.5b.yaml (bf16 compute, float32 master weights and AdamW
+moments, remat, scanned layers, ``seq_mean_token_mean``, clip 0.2, lr 1e-5, grad clip 1.0;
+``methods.make_algorithm`` via ``bench.common.trainer_step``), compiles it with
+``step.CompiledAlgorithm`` (explicit shardings, donation), lowers the compiled update
+(``CompiledAlgorithm.lower_update``) on ``ShapeDtypeStruct`` arguments (the batch: ``prepare``'s
+output for the case's rollouts) and compiles it. It reports ``compiled.memory_analysis()`` per
 device (arguments, outputs, temporaries, aliased bytes, and total = arguments + outputs +
 temporaries - aliased), the compile time, and every "Involuntary full rematerialization" line
 XLA printed (the worker's stderr is captured).
@@ -15,9 +17,9 @@ XLA printed (the worker's stderr is captured).
 Shape: 256 rollouts x 1,280 tokens (256 prompt + 1,024 response budget) per step; each microbatch
 holds ``--rows-per-device`` rows per batch shard (2: 128 microbatches on one device, 16 on 8).
 Configurations: ``--fsdp 1,8`` (mesh data=1, fsdp=N on N fake CPU devices) x ``--chunk off,on``
-(``logprob_chunk_size`` None or ``--chunk-size``) x ``--packing off,on`` ("on" adds the packed
-batch's ``segment_ids``/``positions`` when this checkout's ``Batch`` has them; the per-microbatch
-shape is the same, packing only needs fewer microbatches for the same rollouts).
+(``rl.logprob_chunk_size`` None or ``--chunk-size``) x ``--packing off,on`` ("on" adds the packed
+batch's ``segment_ids``/``positions``; the per-microbatch shape is the same, packing only needs
+fewer microbatches for the same rollouts).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
 
 Usage: ``jaxrlvr bench memory [--fsdp 1,8] [--chunk off,on] [--packing off] [--json PATH]``.
@@ -41,6 +43,7 @@ from jaxrlvr.bench import common
 GIB = 1024**3
 REMAT_WARNING = "Involuntary full rematerialization"
 ROLLOUTS, PROMPT, RESPONSE = 256, 256, 1024
+CONFIG = "configs/r1_zero_qwen2.5_math_1.5b.yaml"
 
 
 def qwen25_math_1_5b():
@@ -79,7 +82,9 @@ class Case:
         return ["--_case", json.dumps(dataclasses.asdict(self))]
 
 
-def _batch_shape(case: Case, spec):
+def _rollouts_shape(case: Case):
+    """The host rollouts of ``case`` as shapes: padded rows, or packed rows (segment ids,
+    positions and per-token advantages) with ``--packing on``."""
     import jax
     import jax.numpy as jnp
 
@@ -94,16 +99,21 @@ def _batch_shape(case: Case, spec):
         loss_mask=jax.ShapeDtypeStruct((b, t), f32),
         advantages=jax.ShapeDtypeStruct((b,), f32),
     )
-    if "old_logp" in spec.required + spec.optional:
-        fields["old_logp"] = jax.ShapeDtypeStruct((b, t), f32)
     if case.packing:
-        names = {f.name for f in dataclasses.fields(batch_lib.Batch)}
-        if not {"segment_ids", "positions"} <= names:
-            raise SystemExit("--packing on: this checkout's Batch has no segment_ids/positions")
         fields["segment_ids"] = jax.ShapeDtypeStruct((b, t), i32)
         fields["positions"] = jax.ShapeDtypeStruct((b, t), i32)
         fields["advantages"] = jax.ShapeDtypeStruct((b, t), f32)  # per token when packed
     return batch_lib.Batch(**fields)
+
+
+def train_config(case: Case):
+    """The ``TrainConfig`` whose RL phase is measured: configs/r1_zero_qwen2.5_math_1.5b.yaml with
+    the case's chunking (the model comes from ``qwen25_math_1_5b`` / ``tiny_model``, no weights)."""
+    chunk = "null" if case.chunk_size is None else str(case.chunk_size)
+    return common.train_config(
+        [f"rl.logprob_chunk_size={chunk}", f"rl.microbatches={case.microbatches}"],
+        path=CONFIG,
+    )
 
 
 def measure(case: Case) -> dict:
@@ -111,11 +121,9 @@ def measure(case: Case) -> dict:
     be the case's fake CPU devices); the memory analysis in bytes and the compile seconds."""
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxrlvr import model as model_lib
-    from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
-    from jaxrlvr.model import sharding
+    from jaxrlvr.algos import step
 
     cfg = tiny_model() if case.tiny else qwen25_math_1_5b()
     mesh = model_lib.make_mesh(
@@ -123,33 +131,21 @@ def measure(case: Case) -> dict:
     )
     abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(cfg, mesh=mesh))
     graphdef, params_shape = nnx.split(abstract, nnx.Param)
-    opt = optim.OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0, b1=0.9, b2=0.95)
-    loss = loss_config.PolicyLossConfig(
-        aggregation="seq_mean_token_mean", clip_eps_low=0.2, clip_eps_high=0.2
+    # The trainer's record, state shardings and compiled update (bench.common.trainer_step).
+    algo, compiled, _ = common.trainer_step(
+        train_config(case), graphdef, params_shape, mesh, microbatches=case.microbatches
     )
-    grpo_cfg = updates.GRPOUpdateConfig(
-        loss=loss, num_microbatches=case.microbatches, logprob_chunk_size=case.chunk_size
-    )
-    algo = algorithm.grpo(graphdef, opt, grpo_cfg, mesh=mesh)
     state_shape = jax.eval_shape(lambda p: algo.init(p, 0), params_shape)
-    state_shardings = step.state_shardings(state_shape, mesh)
-    batch = _batch_shape(case, algo.batch_spec)
     step.check_microbatch_split(case.rollouts, case.microbatches, mesh)
-    # As step.CompiledAlgorithm: rows over ('data', 'fsdp'), the state donated.
-    rows = sharding.batch_sharding(mesh, 1)
-    fn = jax.jit(
-        algo.update,
-        in_shardings=(state_shardings, rows),
-        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=0,
-    )
+    # The batch the update receives: prepare's output for these rollouts, as shapes.
+    batch, _ = jax.eval_shape(algo.prepare, state_shape, _rollouts_shape(case))
     start = time.perf_counter()
-    lowered = fn.lower(state_shape, batch)
+    lowered = compiled.lower_update(state_shape, batch)
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = lowered.compile()
+    program = lowered.compile()
     compile_s = time.perf_counter() - start
-    m = compiled.memory_analysis()
+    m = program.memory_analysis()
     out = dict(
         arguments=m.argument_size_in_bytes,
         outputs=m.output_size_in_bytes,

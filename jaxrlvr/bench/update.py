@@ -3,9 +3,13 @@
 Each system runs in its own subprocess (so peak RSS is per system) on identical shapes, initial
 weights (one Hugging Face checkpoint written by jaxrlvr's ``save_hf``) and batch (NumPy seed):
 
-- ``jaxrlvr``: ``updates.make_grpo_update`` compiled by ``step.jit_update`` (donated state,
-  explicit shardings on a one-device mesh), microbatches by ``lax.scan``, decoder layers unrolled
-  (``scan_layers=False``, the faster step; ``--scan-layers`` times the scanned stack instead);
+- ``jaxrlvr``: the trainer's own path: the GRPO record that ``jaxrlvr train`` builds from its
+  config (``methods.make_algorithm`` on a ``TrainConfig``: rl.algo grpo, the loss and AdamW
+  settings below, one epoch) compiled by ``step.CompiledAlgorithm`` (donated state, explicit
+  shardings on a one-device mesh); ``prepare`` places the rollouts, the timed step is
+  ``update``: microbatches by ``lax.scan``, decoder layers unrolled (``scan_layers=False``, the
+  faster step; ``--scan-layers`` times the scanned stack instead). ``compile_s`` is the first
+  call's excess over the fastest timed step;
 - ``torch``: transformers ``Qwen2ForCausalLM`` (float32, ``attn_implementation="sdpa"``, all
   cores), the same GRPO clipped loss with the same full-batch ``seq_mean_token_mean``
   aggregation, gradient accumulation, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
@@ -14,10 +18,11 @@ Reference shape (the issue's): vocab 8192, hidden 512, intermediate 1408, 8 laye
 2 KV heads, untied, float32 (~31M params); 16 x 256 tokens (64 prompt + 192 response) per step
 in 4 microbatches of 4. ``--tiny`` runs a small shape in seconds.
 
-MFU = model FLOPs per step / step time / peak, with model FLOPs = 6 x non-embedding params x
-tokens + attention (12 x layers x heads x head_dim x T per token, PaLM's formula; the lm_head
-matmul is not counted, as in that formula), and peak = the best fp32 dense-matmul throughput
-measured in the same run (the larger of JAX's and torch's).
+MFU = model FLOPs per step / step time / peak, with model FLOPs = tokens x
+``ModelConfig.flops_per_token(T)`` (the one formula every MFU figure uses: 6 x the matmul
+params including the lm_head + 12 x layers x heads x head_dim x T for attention), and
+peak = the best fp32 dense-matmul throughput measured in the same run (the larger of JAX's and
+torch's).
 
 ``--lengths r1zero``: the same shape and number of rollouts, but response lengths drawn like
 R1-Zero's, heavy-tailed: log-normal with median 1/4 of the response budget and sigma 1.0, rounded
@@ -152,12 +157,9 @@ def make_r1zero_batch(shape: Shape, vocab_size: int, *, packed: bool, seed: int 
 
 def model_flops_per_step(shape: Shape, tokens: int | None = None, seq: int | None = None) -> float:
     """Model FLOPs of ``tokens`` (default: the shape's) in rows of ``seq`` positions."""
-    cfg = shape.config
     seq = shape.seq if seq is None else seq
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq
-    return (shape.tokens if tokens is None else tokens) * (
-        6 * cfg.num_non_embedding_params() + attn
-    )
+    tokens = shape.tokens if tokens is None else tokens
+    return tokens * shape.config.flops_per_token(seq)
 
 
 def _batch(shape: Shape, vocab_size: int, lengths: str, *, packed: bool) -> dict:
@@ -199,17 +201,32 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def train_overrides(microbatches: int) -> list[str]:
+    """The ``jaxrlvr train`` config of the timed GRPO step: the reference update's loss and AdamW
+    settings, one epoch on fresh rollouts (as the torch reference)."""
+    return [
+        "rl.algo=grpo",
+        f"rl.microbatches={microbatches}",
+        "rl.loss.aggregation=seq_mean_token_mean",
+        f"rl.loss.clip_eps_low={CLIP_EPS}",
+        f"rl.loss.clip_eps_high={CLIP_EPS}",
+        f"optim.learning_rate={LR}",
+        f"optim.max_grad_norm={MAX_GRAD_NORM}",
+        f"optim.b1={BETAS[0]}",
+        f"optim.b2={BETAS[1]}",
+        f"optim.eps={EPS}",
+    ]
+
+
 def _worker_jax(
     shape: Shape, weights: str, steps: int, remat: bool, scan_layers: bool, lengths: str
 ) -> dict:
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from jaxrlvr import model as M
     from jaxrlvr.algos import batch as batch_lib
-    from jaxrlvr.algos import loss_config, optim, step, updates
-    from jaxrlvr.algos import state as state_lib
 
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     lm = M.load_hf(
@@ -221,40 +238,37 @@ def _worker_jax(
         scan_layers=scan_layers,
     )
     graphdef, params = nnx.split(lm, nnx.Param)
-    ocfg = optim.OptimizerConfig(
-        learning_rate=LR, max_grad_norm=MAX_GRAD_NORM, b1=BETAS[0], b2=BETAS[1], eps=EPS
-    )
-    tx = optim.make_optimizer(ocfg)
-    loss = loss_config.PolicyLossConfig(
-        aggregation="seq_mean_token_mean", clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS
-    )
     raw = _batch(shape, lm.config.vocab_size, lengths, packed=True)
     counts = _token_counts(raw)
     n = raw.pop("num_microbatches")
-    gcfg = updates.GRPOUpdateConfig(loss=loss, num_microbatches=n)
-    upd = updates.make_grpo_update(graphdef, tx, gcfg, lr_schedule=optim.make_schedule(ocfg))
-    state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
-    batch = batch_lib.Batch(**{k: jnp.asarray(v) for k, v in raw.items()})
-    logprob = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=n))
-    batch = batch.replace(old_logp=logprob(state.params, batch)[0])
-    batch = step.shard_batch(jax.device_get(batch), mesh)
-    ssh = step.state_shardings(state, mesh)
-    jitted = step.jit_update(upd, ssh, step.batch_shardings(batch, mesh))
-
+    # The trainer's path: the record of ``jaxrlvr train``'s config, compiled by
+    # step.CompiledAlgorithm; prepare places the host rollouts, update is the timed step.
+    cfg = common.train_config(train_overrides(shape.microbatches))
+    params_shape = jax.eval_shape(lambda p: p, params)
+    algo, compiled, shardings = common.trainer_step(
+        cfg, graphdef, params_shape, mesh, microbatches=n
+    )
+    holder = {"state": jax.device_put(algo.init(params, 0), shardings)}
+    del params, lm
+    rollouts = batch_lib.Batch(**{k: np.asarray(v) for k, v in raw.items()})
     t0 = time.perf_counter()
-    compiled = jitted.compiled.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    holder = {"state": state}
+    batch, _ = compiled.prepare(holder["state"], rollouts)
+    jax.block_until_ready(batch)
+    prepare_first_s = time.perf_counter() - t0
 
     def run():
-        holder["state"], metrics = compiled(holder["state"], batch)
+        holder["state"], metrics = compiled.update(holder["state"], batch)
         holder["loss"] = float(metrics["loss"])  # blocks until the step is done
 
-    run()  # warmup
+    t0 = time.perf_counter()
+    run()  # warmup: compiles
+    first_s = time.perf_counter() - t0
     times = common.timed_calls(run, steps)
     return {
         "step_times_s": times,
-        "compile_s": compile_s,
+        # The first call compiles and runs one step: its excess over a steady step.
+        "compile_s": max(first_s - min(times), 0.0),
+        "prepare_first_s": prepare_first_s,
         "matmul_gflops": _jax_matmul_gflops(),
         "peak_rss_mib": common.peak_rss_mib(),
         "final_loss": holder["loss"],

@@ -161,6 +161,21 @@ class ModelConfig:
             1 if self.tie_word_embeddings else 2
         )
 
+    def flops_per_token(self, seq_len: int, *, training: bool = True) -> float:
+        """Model FLOPs per token in rows of ``seq_len`` positions: the one formula behind every
+        MFU figure (``bench update``, ``bench gpu_check``).
+
+        Forward: 2 x the matmul parameters (the non-embedding parameters plus the lm_head's
+        V x D, which runs tied or not; the embedding lookup is no matmul) + attention's
+        4 x layers x heads x head_dim x ``seq_len`` (scores and the weighted sum, PaLM's
+        appendix B). ``training``: three times that (forward + backward). Rematerialisation's
+        recompute is not counted, so a figure built on it is MFU, not hardware utilisation.
+        """
+        matmul_params = self.num_non_embedding_params() + self.vocab_size * self.hidden_size
+        attention = 4 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        forward = 2 * matmul_params + attention
+        return float(3 * forward if training else forward)
+
     # Hugging Face interop.
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
@@ -305,7 +320,9 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
-        """A ~0.1M-parameter model for tests and the CPU demo."""
+        """A ~0.1M-parameter model (vocabulary 128, hidden 64, 2 layers, 4 / 2 heads, tied): the
+        one tiny config of the tests and benchmarks, which override its fields (a vocabulary,
+        a head size) instead of spelling a config out."""
         fields = dict(
             vocab_size=128,
             hidden_size=64,

@@ -8,7 +8,7 @@ pass adds each layer's (each chunk's) weight gradient into the accumulator as so
 computed, in place (a loop carry updated with ``dynamic_update_slice`` / an add), so only one
 layer's (one chunk's) gradient exists at a time.
 
-How it is used (``algos.updates.accumulate_gradients``): inside the differentiated loss,
+How it is used (``algos.engine.accumulate_gradients``): inside the differentiated loss,
 ``with sink(params, acc):`` offers every parameter leaf's accumulator. The model ``claim``s the
 accumulators of the arrays it reads inside a loop: the stacked layers (``qwen2._run_layers``,
 scanned and rematerialised) and the head weight (``logprobs.logprobs_from_hidden``, chunked).

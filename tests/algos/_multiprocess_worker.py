@@ -22,8 +22,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxrlvr import distributed  # noqa: E402
 from jaxrlvr import model as M  # noqa: E402
+from jaxrlvr.algos import algorithm, grpo, optim, step  # noqa: E402
 from jaxrlvr.algos import batch as batch_lib  # noqa: E402
-from jaxrlvr.algos import optim, step, updates  # noqa: E402
 from jaxrlvr.algos import state as state_lib  # noqa: E402
 
 B, T = 8, 16
@@ -67,13 +67,23 @@ def main(out: str, port: int, num_processes: int, process_id: int) -> None:
     # reduction-order noise into ~1e-4 parameter differences on a handful of elements; with
     # 1e-4 it stays below 1e-7, so the comparison tests the sharding, not Adam's conditioning.
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, eps=1e-4))
-    upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
+    upd = grpo.make_grpo_update(graphdef, tx, grpo.GRPOUpdateConfig(num_microbatches=2))
     state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
     ssh = step.state_shardings(state, mesh)
     # A second copy of the initial state (the first update donates the first one's buffers).
     state_local = jax.device_put(state, ssh, may_alias=False)
     batch = make_batch()
-    jitted = step.jit_update(upd, ssh, step.batch_shardings(batch, mesh))
+    # The bare update as a record whose rollouts are its batch, compiled as the driver compiles:
+    # once fed the global batch, once only this process's rows.
+    rec = algorithm.Algorithm(
+        name="grpo",
+        init=None,
+        prepare=lambda state, batch: (batch, {}),
+        update=upd,
+        rollout_spec=upd.batch_spec,
+    )
+    compiled = step.CompiledAlgorithm(rec, mesh, ssh, local_rows=False)
+    compiled_local = step.CompiledAlgorithm(rec, mesh, ssh, local_rows=True)
     flat = {"num_devices": np.asarray(len(mesh.devices.flat))}
 
     def record(prefix, state, metrics):
@@ -83,12 +93,13 @@ def main(out: str, port: int, num_processes: int, process_id: int) -> None:
         flat[prefix + "metric/loss"] = np.asarray(jax.device_get(metrics["loss"]))
 
     # The full batch on every process.
-    record("", *jitted(state, step.shard_batch(batch, mesh)))
+    record("", *compiled.update(state, compiled.prepare(state, batch)[0]))
     # Only this process's rows: the other process's rows never reach this one.
     rows = step.process_batch_rows(mesh, B)
     local = jax.tree.map(lambda x: x[rows], batch)
     assert local.input_ids.shape[0] == B // num_processes
-    record("local/", *jitted(state_local, step.shard_local_batch(local, mesh)))
+    placed, _ = compiled_local.prepare(state_local, local)
+    record("local/", *compiled_local.update(state_local, placed))
     flat["local_rows"] = rows
     np.savez(f"{out}.{process_id}.npz", **flat)
     if num_processes > 1:

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, loss_config, optim, step, updates
+from jaxrlvr.algos import algorithm, engine, grpo, loss_config, optim, ppo, sft, step
 from jaxrlvr.algos import batch as batch_lib
 
 B, T = 8, 12
@@ -59,7 +59,7 @@ def test_init_and_update_share_one_optimizer(setup):
     hand-written optax step of the same OptimizerConfig on the same gradient."""
     cfg, mesh, graphdef, params = setup
     opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, weight_decay=0.1)
-    algo = algorithm.sft(graphdef, opt_cfg)
+    algo = sft.sft_algorithm(graphdef, opt_cfg)
     state = algo.init(_copy(params), 0)
     tx = optim.make_optimizer(opt_cfg)
     assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(params))
@@ -69,7 +69,7 @@ def test_init_and_update_share_one_optimizer(setup):
 
     def loss(p):
         lm = nnx.merge(graphdef, p)
-        logp, _, _ = updates.token_logprobs(lm, batch)
+        logp, _, _ = engine.token_logprobs(lm, batch)
         return -jnp.sum(logp * batch.loss_mask) / jnp.sum(batch.loss_mask)
 
     grads = jax.grad(loss)(params)
@@ -85,11 +85,11 @@ def test_init_and_update_share_one_optimizer(setup):
 def test_a_ready_optax_transformation_is_accepted(setup):
     _, _, graphdef, params = setup
     tx = optax.sgd(0.1)
-    algo = algorithm.grpo(graphdef, tx)
+    algo = grpo.grpo_algorithm(graphdef, tx)
     state = algo.init(_copy(params), 0)
     assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(params))
     with pytest.raises(TypeError, match="optimizer: expected an OptimizerConfig"):
-        algorithm.sft(graphdef, {"learning_rate": 1e-3})
+        sft.sft_algorithm(graphdef, {"learning_rate": 1e-3})
 
 
 @pytest.mark.parametrize("trunk", ["shared", "separate"])
@@ -98,10 +98,10 @@ def test_ppo_critic_through_the_record(setup, trunk):
     prepare computes the rollout-time values; update trains the critic with its own optimiser."""
     cfg, mesh, graphdef, params = setup
     shape = jax.eval_shape(lambda p: p, params)
-    algo = algorithm.ppo(
+    algo = ppo.ppo_algorithm(
         graphdef,
         optim.OptimizerConfig(learning_rate=1e-2),
-        updates.PPOUpdateConfig(trunk=trunk, vf_coef=1.0),
+        ppo.PPOUpdateConfig(trunk=trunk, vf_coef=1.0),
         params_shape=shape,
     )
     state = algo.init(_copy(params), 0)
@@ -124,7 +124,7 @@ def test_ppo_critic_through_the_record(setup, trunk):
     new_head = new.value_params["head"] if trunk == "separate" else new.value_params
     assert np.abs(np.asarray(new_head["bias"])) > 0  # the critic learned
     with pytest.raises(ValueError, match="pass params_shape"):
-        algorithm.ppo(graphdef, optax.sgd(0.1), updates.PPOUpdateConfig(trunk="separate"))
+        ppo.ppo_algorithm(graphdef, optax.sgd(0.1), ppo.PPOUpdateConfig(trunk="separate"))
 
 
 def test_grpo_prepare_runs_old_and_reference_passes(setup):
@@ -132,15 +132,15 @@ def test_grpo_prepare_runs_old_and_reference_passes(setup):
     sampler/trainer gap of the rollout-time log-probs."""
     cfg, mesh, graphdef, params = setup
     loss = loss_config.PolicyLossConfig(kl_coef=0.05)
-    algo = algorithm.grpo(
-        graphdef, optax.sgd(0.1), updates.GRPOUpdateConfig(loss=loss), epochs_per_batch=2
+    algo = grpo.grpo_algorithm(
+        graphdef, optax.sgd(0.1), grpo.GRPOUpdateConfig(loss=loss), epochs_per_batch=2
     )
     state = algo.init(_copy(params), 0)
     assert state.ref_params is not None
     rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
     assert rollouts.rewards is None and rollouts.correct is None
     batch, _ = algo.prepare(state, rollouts)
-    expected, _ = updates.make_logprob_fn(graphdef)(params, rollouts)
+    expected, _ = engine.make_logprob_fn(graphdef)(params, rollouts)
     np.testing.assert_allclose(np.asarray(batch.old_logp), np.asarray(expected), atol=1e-6)
     np.testing.assert_allclose(np.asarray(batch.ref_logp), np.asarray(expected), atol=1e-6)
     _, metrics = algo.update(state, batch)
@@ -149,7 +149,7 @@ def test_grpo_prepare_runs_old_and_reference_passes(setup):
     assert float(metrics["logp_diff_abs"]) == pytest.approx(gap.mean(), 1e-5)
     assert float(metrics["logp_diff_abs_max"]) == pytest.approx(gap.max(), 1e-5)
     # Without a KL term there is no reference copy and no reference pass.
-    plain = algorithm.grpo(graphdef, optax.sgd(0.1))
+    plain = grpo.grpo_algorithm(graphdef, optax.sgd(0.1))
     assert plain.init(_copy(params), 0).ref_params is None
 
 
@@ -157,24 +157,69 @@ def test_grpo_one_epoch_skips_the_old_logprob_pass(setup):
     """One epoch on fresh rollouts: no old_logp pass; the update's ratio is exactly 1 and its
     result equals the one with an explicit old_logp (to float rounding)."""
     cfg, mesh, graphdef, params = setup
-    one = algorithm.grpo(graphdef, optax.sgd(0.5))
-    two = algorithm.grpo(graphdef, optax.sgd(0.5), epochs_per_batch=2)
+    one = grpo.grpo_algorithm(graphdef, optax.sgd(0.5))
+    two = grpo.grpo_algorithm(graphdef, optax.sgd(0.5), epochs_per_batch=2)
     rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), one.rollout_spec)
     state = one.init(_copy(params), 0)
     batch_one, _ = one.prepare(state, rollouts)
     batch_two, _ = two.prepare(state, rollouts)
     assert batch_one.old_logp is None and batch_two.old_logp is not None
     new_one, m_one = one.update(state, batch_one)
-    new_two, m_two = two.update(state, batch_two)
+    # The same one-epoch update on the batch that carries the explicit old_logp pass.
+    new_two, m_two = one.update(state, batch_two)
     assert float(m_one["ratio_max"]) == 1.0 and float(m_one["ratio_min"]) == 1.0
     for a, b in zip(jax.tree.leaves(new_one.params), jax.tree.leaves(new_two.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert float(m_one["logp_diff_abs"]) == pytest.approx(float(m_two["logp_diff_abs"]), 1e-5)
 
 
+@pytest.mark.parametrize("make", ["grpo", "ppo", "expert_iteration", "sft"])
+def test_record_owns_its_epochs(setup, make):
+    """A record made with epochs_per_batch=2 runs both epochs in one update call: the state and
+    the last epoch's metrics equal the one-epoch record's update applied twice to the same
+    prepared batch (what the driver looped before), to float rounding."""
+    cfg, mesh, graphdef, params = setup
+    factory = {
+        "grpo": grpo.grpo_algorithm,
+        "ppo": ppo.ppo_algorithm,
+        "expert_iteration": sft.expert_iteration_algorithm,
+        "sft": sft.sft_algorithm,
+    }[make]
+    once = factory(graphdef, optax.sgd(0.5))
+    twice = factory(graphdef, optax.sgd(0.5), epochs_per_batch=2)
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), twice.rollout_spec)
+    state = twice.init(_copy(params), 0)
+    batch, _ = twice.prepare(state, rollouts)
+    assert twice.batch_spec == once.batch_spec
+    one_epoch = jax.jit(once.update)
+    looped, m_looped = one_epoch(state, batch)
+    looped, m_looped = one_epoch(looped, batch)
+    new, m = jax.jit(twice.update)(state, batch)
+    assert int(new.step) == 2 and int(looped.step) == 2
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(looped)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert m.keys() == m_looped.keys()
+    for k in m:
+        assert float(m[k]) == pytest.approx(float(m_looped[k]), rel=1e-5, abs=1e-6), k
+
+
+def test_epochs_report_a_nonfinite_epoch(setup):
+    """nonfinite is 1 when any epoch was skipped, so on_nonfinite="raise" still sees it."""
+    cfg, mesh, graphdef, params = setup
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.5), epochs_per_batch=3)
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    state = algo.init(_copy(params), 0)
+    batch, _ = algo.prepare(state, rollouts)
+    bad = batch.replace(advantages=jnp.asarray(batch.advantages).at[0].set(jnp.nan))
+    new, m = algo.update(state, bad)
+    assert float(m["nonfinite"]) == 1.0 and int(new.step) == 0
+    with pytest.raises(ValueError, match="epochs_per_batch must be an integer >= 1"):
+        grpo.grpo_algorithm(graphdef, optax.sgd(0.5), epochs_per_batch=0)
+
+
 def test_expert_iteration_trains_only_on_accepted_rows(setup):
     cfg, mesh, graphdef, params = setup
-    algo = algorithm.expert_iteration(graphdef, optax.sgd(0.1))
+    algo = sft.expert_iteration_algorithm(graphdef, optax.sgd(0.1))
     rollouts = _rollouts(cfg.vocab_size)
     state = algo.init(_copy(params), 0)
     batch, _ = algo.prepare(state, algorithm.select_fields(rollouts, algo.rollout_spec))
@@ -190,7 +235,7 @@ def test_bad_rollouts_rejected_once_before_tracing(setup):
     """A missing or mistyped field fails on the host with one BatchError naming it; neither
     prepare nor update is traced."""
     cfg, mesh, graphdef, params = setup
-    algo = algorithm.grpo(graphdef, optax.sgd(0.1))
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.1))
     traces = []
 
     def counting_prepare(state, rollouts):
@@ -216,7 +261,7 @@ def test_compiled_equals_uncompiled_and_compiles_once(setup):
     cfg, mesh, graphdef, params = setup
     # SGD: the step is linear in the gradient, so a tight tolerance tests the compiled path
     # (Adam's first step g / (|g| + eps) would amplify summation-order noise where g ~ 0).
-    algo = algorithm.grpo(graphdef, optax.sgd(0.5), updates.GRPOUpdateConfig())
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.5), grpo.GRPOUpdateConfig())
     rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
     eager_state = algo.init(_copy(params), 0)
     eager_batch, _ = algo.prepare(eager_state, rollouts)

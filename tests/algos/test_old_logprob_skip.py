@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, loss_config, updates
+from jaxrlvr.algos import algorithm, engine, grpo, loss_config
 from jaxrlvr.algos import batch as batch_lib
 
 B, T = 8, 12
@@ -31,7 +31,7 @@ def setup():
     loss_mask[:, 4:] = 1.0
     # Sampler log-probs near the policy's (~ -log V) but off by up to +-1: some TIS weights
     # are truncated at the cap, some are below 1.
-    logp, _ = updates.make_logprob_fn(graphdef)(
+    logp, _ = engine.make_logprob_fn(graphdef)(
         params,
         batch_lib.Batch(
             input_ids=ids,
@@ -60,8 +60,8 @@ def _grpo(graphdef, **kw):
     key = tuple(sorted(kw.items()))
     if key not in _RECORDS:
         loss = loss_config.PolicyLossConfig(tis="token", tis_cap=1.5)
-        cfg = updates.GRPOUpdateConfig(loss=loss)
-        algo = algorithm.grpo(graphdef, optax.sgd(0.5), cfg, **kw)
+        cfg = grpo.GRPOUpdateConfig(loss=loss)
+        algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.5), cfg, **kw)
         _RECORDS[key] = dataclasses.replace(
             algo, prepare=jax.jit(algo.prepare), update=jax.jit(algo.update)
         )

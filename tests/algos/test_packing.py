@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxrlvr import model as M
 from jaxrlvr import rollout
-from jaxrlvr.algos import algorithm, gae, loss_config, segments, updates, value
+from jaxrlvr.algos import algorithm, gae, grpo, loss_config, ppo, segments, sft, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.sampling.base import Completion
 
@@ -127,7 +127,7 @@ FAST = ("seq_mean_token_mean", "gspo")
 def test_grpo_packed_equals_padded(model, case):
     cfg, graphdef, params0, params1 = model
     loss = loss_config.PolicyLossConfig(**POLICY_CASES[case])
-    algo = algorithm.grpo(graphdef, SGD, updates.GRPOUpdateConfig(loss=loss, num_microbatches=2))
+    algo = grpo.grpo_algorithm(graphdef, SGD, grpo.GRPOUpdateConfig(loss=loss, num_microbatches=2))
     padded, packed = _both(cfg.vocab_size)
     _assert_same(_step(algo, params0, params1, padded), _step(algo, params0, params1, packed))
 
@@ -137,8 +137,8 @@ def test_grpo_packed_equals_padded(model, case):
 def test_ppo_gae_packed_equals_padded(model, kl_in):
     cfg, graphdef, params0, params1 = model
     loss = loss_config.PolicyLossConfig(kl_coef=0.05, kl_in=kl_in)
-    ppo_cfg = updates.PPOUpdateConfig(loss=loss, gamma=0.99, lam=0.9, num_microbatches=2)
-    algo = algorithm.ppo(graphdef, SGD, ppo_cfg)
+    ppo_cfg = ppo.PPOUpdateConfig(loss=loss, gamma=0.99, lam=0.9, num_microbatches=2)
+    algo = ppo.ppo_algorithm(graphdef, SGD, ppo_cfg)
     head = value.init_value_head(cfg.hidden_size, 3, std=0.3)
     padded, packed = _both(cfg.vocab_size)
     _assert_same(
@@ -150,7 +150,7 @@ def test_ppo_gae_packed_equals_padded(model, kl_in):
 @pytest.mark.parametrize("kind", ["sft", "expert_iteration"])
 def test_sft_and_expert_iteration_packed_equal_padded(model, kind):
     cfg, graphdef, params0, params1 = model
-    sft_cfg = updates.SFTUpdateConfig(normalize_constant=8.0, num_microbatches=2)
+    sft_cfg = sft.SFTUpdateConfig(normalize_constant=8.0, num_microbatches=2)
     algo = getattr(algorithm, kind)(graphdef, SGD, sft_cfg)
     padded, packed = _both(cfg.vocab_size)
     _assert_same(_step(algo, params0, params1, padded), _step(algo, params0, params1, packed))

@@ -12,8 +12,8 @@ from flax import nnx
 from hypothesis import given, settings
 
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, preference
 from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.algos import losses, preference
 
 # ---------------------------------------------------------------------------------------------
 # NumPy references, written from the papers' formulas.
@@ -237,7 +237,7 @@ def test_microbatching_is_exact(setup, kind):
     loss_cfg = preference.PreferenceLossConfig(kind=kind, beta=0.5)
     out = []
     for n in (1, 2):
-        algo = algorithm.preference(
+        algo = preference.preference_algorithm(
             graphdef, tx, preference.PreferenceUpdateConfig(loss=loss_cfg, num_microbatches=n)
         )
         assert algo.name == kind
@@ -259,7 +259,7 @@ def test_dpo_record_first_step_is_log2_then_the_margin_grows(setup):
     step raises the chosen log-probs relative to the rejected ones."""
     cfg, graphdef, params = setup
     loss_cfg = preference.PreferenceLossConfig(kind="dpo", beta=0.5)
-    algo = algorithm.preference(
+    algo = preference.preference_algorithm(
         graphdef, optax.sgd(0.5), preference.PreferenceUpdateConfig(loss=loss_cfg)
     )
     state = algo.init(_copy(params), 0)
@@ -276,13 +276,13 @@ def test_dpo_record_first_step_is_log2_then_the_margin_grows(setup):
 
 def test_bad_pair_batches_are_refused(setup):
     cfg, graphdef, params = setup
-    algo = algorithm.preference(graphdef, optax.sgd(0.1))
+    algo = preference.preference_algorithm(graphdef, optax.sgd(0.1))
     state = algo.init(_copy(params), 0)
     batch, _ = algo.prepare(state, _pairs(cfg.vocab_size))
     # 3 pairs (6 rows) in 2 microbatches: B divides, the pairs do not.
     chosen, rejected = preference.split_pairs(batch)
     three = preference.stack_pairs(*(jax.tree.map(lambda x: x[:3], h) for h in (chosen, rejected)))
-    two = algorithm.preference(
+    two = preference.preference_algorithm(
         graphdef, optax.sgd(0.1), preference.PreferenceUpdateConfig(num_microbatches=2)
     )
     with pytest.raises(batch_lib.BatchError, match="3 pairs"):
@@ -328,7 +328,7 @@ def test_per_instance_dpo_loss_matches_torch(tmp_path):
     lm, ref = M.load_hf(hf.path), M.load_hf(hf_ref.path)
     prompt, chosen, rejected = "2+3?", "5", "It is 6."
     beta = 0.3
-    got = preference.per_instance_dpo_loss(lm, ref, tok, beta, prompt, chosen, rejected)
+    got = losses.per_instance_dpo_loss(lm, ref, tok, beta, prompt, chosen, rejected)
 
     # The same computation, written directly with transformers + torch.
     template = (
@@ -350,5 +350,5 @@ def test_per_instance_dpo_loss_matches_torch(tmp_path):
     want = -torch.nn.functional.logsigmoid(beta * h)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-5)
     # Equal models: log 2.
-    same = preference.per_instance_dpo_loss(lm, lm, tok, beta, prompt, chosen, rejected)
+    same = losses.per_instance_dpo_loss(lm, lm, tok, beta, prompt, chosen, rejected)
     np.testing.assert_allclose(float(same), np.log(2.0), rtol=1e-6)

@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxrlvr import model as M
+from jaxrlvr.algos import algorithm, grpo, loss_config, optim, step
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import loss_config, optim, step, updates
 from jaxrlvr.algos import state as state_lib
 
 B, T = 8, 16
@@ -46,17 +46,25 @@ def _run(mesh, batches, logprob_chunk_size=None, remat=False):
     # reduction-order noise into ~1e-4 parameter differences on a handful of elements; with
     # 1e-4 it stays below 1e-7, so the comparison tests the sharding, not Adam's conditioning.
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, eps=1e-4))
-    gcfg = updates.GRPOUpdateConfig(
+    gcfg = grpo.GRPOUpdateConfig(
         loss=loss_config.PolicyLossConfig(aggregation="token_mean"),
         num_microbatches=2,
         logprob_chunk_size=logprob_chunk_size,
     )
-    upd = updates.make_grpo_update(graphdef, tx, gcfg)
+    upd = grpo.make_grpo_update(graphdef, tx, gcfg)
     state = step.shard_state(state_lib.TrainState.create(graphdef, params, tx), mesh)
     ssh = step.state_shardings(state, mesh)
-    jitted = step.jit_update(upd, ssh, step.batch_shardings(batches[0], mesh))
+    # The bare update as a record whose rollouts are its batch, compiled as the driver compiles.
+    record = algorithm.Algorithm(
+        name="grpo",
+        init=None,
+        prepare=lambda state, batch: (batch, {}),
+        update=upd,
+        rollout_spec=upd.batch_spec,
+    )
+    compiled = step.CompiledAlgorithm(record, mesh, ssh)
     for b in batches:
-        state, metrics = jitted(state, step.shard_batch(b, mesh))
+        state, metrics = compiled.update(state, compiled.prepare(state, b)[0])
         assert float(metrics["nonfinite"]) == 0
     return state, ssh
 

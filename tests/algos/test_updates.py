@@ -1,4 +1,5 @@
-"""Tests of the update factories (jaxrlvr.algos.updates) and their state, batch and optimiser.
+"""Tests of the update factories (``sft``, ``grpo``, ``ppo`` on the ``engine``) and their state,
+batch and optimiser.
 
 Everything runs a real tiny Qwen2 (jaxrlvr.model) in float32 on the CPU; no component is mocked.
 """
@@ -13,9 +14,22 @@ from flax import nnx
 
 from jaxrlvr import distributed
 from jaxrlvr import model as M
-from jaxrlvr.algos import advantages, loss_config, losses, optim, step, updates, value
+from jaxrlvr.algos import (
+    advantages,
+    algorithm,
+    engine,
+    grpo,
+    loss_config,
+    losses,
+    optim,
+    ppo,
+    sft,
+    step,
+    value,
+)
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import logprobs as logprobs_lib
 
 B, T = 8, 12
 
@@ -64,9 +78,22 @@ def _mesh1():
     return M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
 
+def _compiled(upd, state, mesh, **kw):
+    """The bare update as a record whose rollouts are its batch (``prepare`` passes them
+    through), compiled as the driver compiles every record (``step.CompiledAlgorithm``)."""
+    record = algorithm.Algorithm(
+        name="update",
+        init=None,
+        prepare=lambda state, batch: (batch, {}),
+        update=upd,
+        rollout_spec=upd.batch_spec,
+    )
+    return step.CompiledAlgorithm(record, mesh, step.state_shardings(state, mesh), **kw)
+
+
 def _old_logp(graphdef, params, batch, noise=0.3, seed=1):
     """Log-probs of a slightly different policy, so ratios differ from 1 and some tokens clip."""
-    logp, _ = jax.jit(updates.make_logprob_fn(graphdef))(params, batch)
+    logp, _ = jax.jit(engine.make_logprob_fn(graphdef))(params, batch)
     rng = np.random.default_rng(seed)
     return logp + jnp.asarray(noise * rng.normal(size=logp.shape).astype(np.float32))
 
@@ -80,7 +107,7 @@ def test_update_is_pure_and_compiles_once():
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
     batch = _batch()
     batch = batch.replace(old_logp=_old_logp(graphdef, params, batch))
-    upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
+    upd = grpo.make_grpo_update(graphdef, tx, grpo.GRPOUpdateConfig(num_microbatches=2))
     state = state_lib.TrainState.create(graphdef, params, tx, rng=0)
 
     plain = jax.jit(upd)  # no donation: the same input state can be reused
@@ -90,14 +117,14 @@ def test_update_is_pure_and_compiles_once():
     assert not _tree_equal(s1.params, state.params)  # and the step did change the params
 
     mesh = _mesh1()
-    ssh = step.state_shardings(state, mesh)
     traced = chex.assert_max_traces(upd, n=1)
-    jitted = step.jit_update(traced, ssh, step.batch_shardings(batch, mesh))
     traced.batch_spec = upd.batch_spec
+    compiled = _compiled(traced, state, mesh)
     cur = step.shard_state(state, mesh)
     before = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
     for _ in range(2):
-        cur, _ = jitted(cur, batch)
+        placed, _ = compiled.prepare(cur, batch)
+        cur, _ = compiled.update(cur, placed)
     after = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
     assert jax.tree.structure(cur) == jax.tree.structure(state)
     assert before == after
@@ -129,8 +156,8 @@ def test_microbatches_equal_full_batch_grpo(agg):
     state = state_lib.TrainState.create(graphdef, params, _SGD)
     out = {}
     for n in (1, 4):
-        upd = updates.make_grpo_update(
-            graphdef, _SGD, updates.GRPOUpdateConfig(loss=loss, num_microbatches=n)
+        upd = grpo.make_grpo_update(
+            graphdef, _SGD, grpo.GRPOUpdateConfig(loss=loss, num_microbatches=n)
         )
         out[n] = jax.jit(upd)(state, batch)
     (s1, m1), (s4, m4) = out[1], out[4]
@@ -148,8 +175,8 @@ def test_microbatches_equal_full_batch_sft(norm):
     state = state_lib.TrainState.create(graphdef, params, _SGD)
     res = [
         jax.jit(
-            updates.make_sft_update(
-                graphdef, _SGD, updates.SFTUpdateConfig(normalize_constant=norm, num_microbatches=n)
+            sft.make_sft_update(
+                graphdef, _SGD, sft.SFTUpdateConfig(normalize_constant=norm, num_microbatches=n)
             )
         )(state, batch)
         for n in (1, 4)
@@ -187,11 +214,11 @@ def test_microbatches_equal_full_batch_ppo(trunk):
     state = state_lib.TrainState.create(graphdef, params, _SGD, value_params=vp, value_tx=_SGD)
     res = [
         jax.jit(
-            updates.make_ppo_update(
+            ppo.make_ppo_update(
                 graphdef,
                 _SGD,
                 _SGD,
-                updates.PPOUpdateConfig(num_microbatches=n, trunk=trunk),
+                ppo.PPOUpdateConfig(num_microbatches=n, trunk=trunk),
                 value_graphdef=vgd,
             )
         )(state, batch)
@@ -220,10 +247,10 @@ def test_ppo_separate_critic_and_policy_each_get_only_their_own_loss():
     """
     cfg, graphdef, params = _model()
     vgd, vp = value.init_value_model(graphdef, params, rng=1, std=0.1)
-    ppo = updates.PPOUpdateConfig(trunk="separate", num_microbatches=2, vf_coef=0.3)
+    ppo_cfg = ppo.PPOUpdateConfig(trunk="separate", num_microbatches=2, vf_coef=0.3)
     unit_sgd = optax.sgd(1.0)  # new critic = old critic - gradient
     state = state_lib.TrainState.create(graphdef, params, _SGD, value_params=vp, value_tx=unit_sgd)
-    upd = jax.jit(updates.make_ppo_update(graphdef, _SGD, unit_sgd, ppo, value_graphdef=vgd))
+    upd = jax.jit(ppo.make_ppo_update(graphdef, _SGD, unit_sgd, ppo_cfg, value_graphdef=vgd))
 
     zero = _ppo_batch(graphdef, params, seed=13)
     zero = zero.replace(old_values=jnp.broadcast_to(zero.rewards[:, None], (B, T)))
@@ -237,7 +264,7 @@ def test_ppo_separate_critic_and_policy_each_get_only_their_own_loss():
     new, m = upd(state, live)
     assert float(m["pg_loss"]) != 0.0 and float(m["vf_clip_frac"]) > 0  # both terms are live
     assert _tree_max_diff(new.params, state.params) > 1e-4
-    _, returns = updates.ppo_advantages(live, ppo)
+    _, returns = ppo.ppo_advantages(live, ppo_cfg)
     mask = live.loss_mask.astype(jnp.float32)
 
     def value_loss(vp):
@@ -294,11 +321,11 @@ def test_ppo_separate_critic_compiles_once_and_keeps_shardings():
     assert sum(not s.is_fully_replicated for s in jax.tree.leaves(ssh.value_params)) >= 10
     assert specs(ssh.value_opt_state[1][0].mu["backbone"]) == specs(ssh.opt_state[1][0].mu)
 
-    upd = updates.make_ppo_update(
+    upd = ppo.make_ppo_update(
         graphdef,
         tx,
         tx,
-        updates.PPOUpdateConfig(trunk="separate", num_microbatches=2),
+        ppo.PPOUpdateConfig(trunk="separate", num_microbatches=2),
         value_graphdef=vgd,
     )
     traced = chex.assert_max_traces(upd, n=1)
@@ -311,10 +338,11 @@ def test_ppo_separate_critic_compiles_once_and_keeps_shardings():
         rewards=jnp.asarray(np.random.default_rng(16).integers(0, 2, B).astype(np.float32)),
         old_values=value_fn(cur.params, cur.value_params, batch),
     )
-    jitted = step.jit_update(traced, ssh, step.batch_shardings(batch, mesh))
+    compiled = _compiled(traced, state, mesh)
     before = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
     for _ in range(2):
-        cur, m = jitted(cur, step.shard_batch(batch, mesh))
+        placed, _ = compiled.prepare(cur, batch)
+        cur, m = compiled.update(cur, placed)
         assert float(m["nonfinite"]) == 0 and float(m["vf_loss"]) > 0
     after = jax.tree.map(lambda x: (type(x), x.shape, x.dtype, x.sharding), cur)
     assert before == after
@@ -324,10 +352,10 @@ def test_ppo_separate_critic_compiles_once_and_keeps_shardings():
 
 def test_split_and_merge_microbatches_roundtrip_strided():
     x = jnp.arange(12).reshape(6, 2)
-    mbs = updates.split_microbatches(x, 3)
+    mbs = engine.split_microbatches(x, 3)
     assert mbs.shape == (3, 2, 2)
     np.testing.assert_array_equal(mbs[1], x[jnp.array([1, 4])])  # microbatch j: rows j, j + n
-    np.testing.assert_array_equal(updates.merge_microbatches(mbs), x)
+    np.testing.assert_array_equal(engine.merge_microbatches(mbs), x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,14 +365,14 @@ def test_split_and_merge_microbatches_roundtrip_strided():
 def test_logprob_fn_matches_course_function_and_microbatching():
     cfg, graphdef, params = _model()
     batch = _batch(seed=6)
-    logp, ent = jax.jit(updates.make_logprob_fn(graphdef))(params, batch)
+    logp, ent = jax.jit(engine.make_logprob_fn(graphdef))(params, batch)
     logits = nnx.merge(graphdef, params)(batch.input_ids, batch.attention_mask)
     ref = losses.get_response_log_probs(logits, batch.labels, return_token_entropy=True)
     # Same float32 math on the same logits (only fusion order differs).
     np.testing.assert_allclose(logp, ref["log_probs"], atol=1e-5)
     np.testing.assert_allclose(ent, ref["token_entropy"], atol=1e-5)
     assert logp.dtype == jnp.float32 and ent.dtype == jnp.float32
-    logp4, ent4 = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=4))(params, batch)
+    logp4, ent4 = jax.jit(engine.make_logprob_fn(graphdef, num_microbatches=4))(params, batch)
     np.testing.assert_allclose(logp4, logp, atol=1e-6)
     np.testing.assert_allclose(ent4, ent, atol=1e-6)
 
@@ -358,7 +386,7 @@ def test_fused_logprobs_and_entropy_values_and_gradients(entropy_grad):
     w = jnp.asarray(rng.normal(size=(2, 3, 5)).astype(np.float32))
 
     def fused(z):
-        lp, ent = updates.logprobs_and_entropy(z, labels, entropy_grad=entropy_grad)
+        lp, ent = logprobs_lib.logprobs_and_entropy(z, labels, entropy_grad=entropy_grad)
         return jnp.sum(w[0] * lp + w[1] * ent), (lp, ent)
 
     def ref(z):
@@ -387,7 +415,7 @@ def test_sft_drives_nll_down():
     cfg, graphdef, params = _model()
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-2))
     batch = _batch(seed=7, advantages=None)
-    upd = jax.jit(updates.make_sft_update(graphdef, tx, updates.SFTUpdateConfig()))
+    upd = jax.jit(sft.make_sft_update(graphdef, tx, sft.SFTUpdateConfig()))
     state = state_lib.TrainState.create(graphdef, params, tx)
     nll = []
     for _ in range(30):
@@ -428,7 +456,7 @@ def _bandit_fns(graphdef):
 def test_grpo_raises_bandit_reward():
     cfg, graphdef, params = _model(vocab_size=_VOCAB)
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3))
-    upd = jax.jit(updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig()))
+    upd = jax.jit(grpo.make_grpo_update(graphdef, tx, grpo.GRPOUpdateConfig()))
     sample = _bandit_fns(graphdef)
     state = state_lib.TrainState.create(graphdef, params, tx)
     key = jax.random.PRNGKey(0)
@@ -455,10 +483,10 @@ def test_ppo_raises_bandit_reward(trunk):
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3))
     vtx = optax.adam(1e-2)
     vp, vgd = _critic(trunk, cfg, graphdef, params, std=0.0)
-    ppo = updates.PPOUpdateConfig(lam=1.0, trunk=trunk)
-    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, ppo, value_graphdef=vgd))
+    ppo_cfg = ppo.PPOUpdateConfig(lam=1.0, trunk=trunk)
+    upd = jax.jit(ppo.make_ppo_update(graphdef, tx, vtx, ppo_cfg, value_graphdef=vgd))
     value_fn = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))
-    logprob_fn = jax.jit(updates.make_logprob_fn(graphdef))
+    logprob_fn = jax.jit(engine.make_logprob_fn(graphdef))
     sample = _bandit_fns(graphdef)
     state = state_lib.TrainState.create(graphdef, params, tx, value_params=vp, value_tx=vtx)
     key = jax.random.PRNGKey(1)
@@ -498,10 +526,10 @@ def test_ppo_value_loss_falls(trunk):
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
     vtx = optax.adam(3e-2)
     vp, vgd = _critic(trunk, cfg, graphdef, params, std=0.0)
-    ppo = updates.PPOUpdateConfig(vf_coef=1.0, trunk=trunk)
-    upd = jax.jit(updates.make_ppo_update(graphdef, tx, vtx, ppo, value_graphdef=vgd))
+    ppo_cfg = ppo.PPOUpdateConfig(vf_coef=1.0, trunk=trunk)
+    upd = jax.jit(ppo.make_ppo_update(graphdef, tx, vtx, ppo_cfg, value_graphdef=vgd))
     value_fn = jax.jit(value.make_value_fn(graphdef, value_graphdef=vgd))
-    logprob_fn = jax.jit(updates.make_logprob_fn(graphdef))
+    logprob_fn = jax.jit(engine.make_logprob_fn(graphdef))
     state = state_lib.TrainState.create(graphdef, params, tx, value_params=vp, value_tx=vtx)
     base = _batch(seed=8, b=16, advantages=None)
     rewards = jnp.asarray(np.random.default_rng(0).integers(0, 2, 16).astype(np.float32))
@@ -525,7 +553,7 @@ def test_ppo_value_loss_falls(trunk):
 def test_nan_batch_leaves_state_unchanged():
     cfg, graphdef, params = _model()
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
-    upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
+    upd = grpo.make_grpo_update(graphdef, tx, grpo.GRPOUpdateConfig(num_microbatches=2))
     state = state_lib.TrainState.create(graphdef, params, tx)
     good = _batch(seed=9)
     state, m = jax.jit(upd)(state, good)  # one real step, so the opt state is non-trivial
@@ -536,14 +564,11 @@ def test_nan_batch_leaves_state_unchanged():
     assert _tree_equal(new, state)
 
     mesh = _mesh1()
-    jitted = step.jit_update(
-        upd,
-        step.state_shardings(state, mesh),
-        step.batch_shardings(bad, mesh),
-        on_nonfinite="raise",
-    )
+    compiled = _compiled(upd, state, mesh, on_nonfinite="raise")
+    cur = step.shard_state(state, mesh)
+    placed, _ = compiled.prepare(cur, bad)
     with pytest.raises(step.NonFiniteUpdateError, match="non-finite"):
-        jitted(step.shard_state(state, mesh), bad)
+        compiled.update(cur, placed)
 
 
 @pytest.mark.parametrize(
@@ -563,7 +588,7 @@ def test_nan_batch_leaves_state_unchanged():
 def test_bad_batch_rejected_before_compilation(change, match):
     cfg, graphdef, params = _model()
     tx = optim.make_optimizer(optim.OptimizerConfig())
-    upd = updates.make_grpo_update(graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2))
+    upd = grpo.make_grpo_update(graphdef, tx, grpo.GRPOUpdateConfig(num_microbatches=2))
     traces = []
 
     def counted(state, batch):
@@ -574,11 +599,9 @@ def test_bad_batch_rejected_before_compilation(change, match):
     state = state_lib.TrainState.create(graphdef, params, tx)
     good = _batch()
     mesh = _mesh1()
-    jitted = step.jit_update(
-        counted, step.state_shardings(state, mesh), step.batch_shardings(good, mesh)
-    )
+    compiled = _compiled(counted, state, mesh)
     with pytest.raises(batch_lib.BatchError, match=match):
-        jitted(step.shard_state(state, mesh), change(good))
+        compiled.prepare(step.shard_state(state, mesh), change(good))
     assert traces == []  # rejected on the host: nothing was traced or compiled
 
 
@@ -598,7 +621,7 @@ def test_remat_gives_the_same_update():
     for remat in (False, True):
         cfg, graphdef, params = _model(remat=remat)
         state = state_lib.TrainState.create(graphdef, params, _SGD)
-        res.append(jax.jit(updates.make_grpo_update(graphdef, _SGD))(state, batch))
+        res.append(jax.jit(grpo.make_grpo_update(graphdef, _SGD))(state, batch))
     # Recomputing the forward in the backward pass is the same float32 arithmetic; only XLA's
     # fusion choices may differ. SGD (see _SGD) keeps the comparison about the gradient.
     assert _tree_max_diff(res[0][0].params, res[1][0].params) < 1e-6
@@ -612,7 +635,7 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     cfg, graphdef, params = _model(dtype="bfloat16", param_dtype="float32")
     tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3))
     state = state_lib.TrainState.create(graphdef, params, tx)
-    new, m = jax.jit(updates.make_grpo_update(graphdef, tx))(state, _batch(seed=11))
+    new, m = jax.jit(grpo.make_grpo_update(graphdef, tx))(state, _batch(seed=11))
     assert float(m["nonfinite"]) == 0
     assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(new.opt_state) if x.ndim > 0} == {jnp.dtype("float32")}
@@ -666,7 +689,7 @@ def test_learning_rate_metric_and_clipping():
     cfg, graphdef, params = _model()
     ocfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, max_grad_norm=1e-3)
     tx = optim.make_optimizer(ocfg)
-    upd = jax.jit(updates.make_grpo_update(graphdef, tx, lr_schedule=optim.make_schedule(ocfg)))
+    upd = jax.jit(grpo.make_grpo_update(graphdef, tx, lr_schedule=optim.make_schedule(ocfg)))
     state = state_lib.TrainState.create(graphdef, params, tx)
     lrs = []
     for _ in range(3):
@@ -681,19 +704,17 @@ def test_learning_rate_metric_and_clipping():
     [
         (lambda: optim.OptimizerConfig(schedule="linear"), "schedule must be one of"),
         (lambda: optim.OptimizerConfig(schedule="cosine"), "total_steps"),
-        (lambda: updates.PPOUpdateConfig(trunk="tied"), "trunk must be one of"),
+        (lambda: ppo.PPOUpdateConfig(trunk="tied"), "trunk must be one of"),
         (
-            lambda: updates.make_ppo_update(
-                None, _SGD, _SGD, updates.PPOUpdateConfig(trunk="separate")
-            ),
+            lambda: ppo.make_ppo_update(None, _SGD, _SGD, ppo.PPOUpdateConfig(trunk="separate")),
             "trunk='separate' needs value_graphdef",
         ),
         (
-            lambda: updates.make_ppo_update(None, _SGD, _SGD, value_graphdef=object()),
+            lambda: ppo.make_ppo_update(None, _SGD, _SGD, value_graphdef=object()),
             "trunk='shared' takes no value_graphdef",
         ),
-        (lambda: updates.GRPOUpdateConfig(num_microbatches=0), "num_microbatches"),
-        (lambda: step.jit_update(None, None, None, on_nonfinite="warn"), "on_nonfinite"),
+        (lambda: grpo.GRPOUpdateConfig(num_microbatches=0), "num_microbatches"),
+        (lambda: step.CompiledAlgorithm(None, None, None, on_nonfinite="warn"), "on_nonfinite"),
         (lambda: distributed.DistributedConfig(enabled=True), "coordinator_address"),
         (
             lambda: distributed.DistributedConfig(

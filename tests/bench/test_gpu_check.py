@@ -33,9 +33,9 @@ def test_imports_without_datasets_math_verify_or_vllm():
 def test_flops_count_the_lm_head_and_attention():
     cfg = gpu_check.model_config(False)
     assert cfg.num_params() == pytest.approx(1.544e9, rel=0.01)  # Qwen2.5-1.5B
-    fwd = gpu_check.flops_per_token(cfg, 1024, 1)
+    fwd = cfg.flops_per_token(1024, training=False)
     assert fwd == 2 * (cfg.num_non_embedding_params() + 151936 * 1536) + 4 * 28 * 12 * 128 * 1024
-    assert gpu_check.flops_per_token(cfg, 1024, 3) == 3 * fwd
+    assert cfg.flops_per_token(1024) == 3 * fwd
 
 
 def test_table_computes_mfu_and_the_decode_bound():

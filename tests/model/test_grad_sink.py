@@ -12,8 +12,8 @@ from flax import nnx
 
 from jaxrlvr import model as M
 from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.algos import engine, grpo
 from jaxrlvr.algos import state as state_lib
-from jaxrlvr.algos import updates
 from jaxrlvr.model import grad_sink
 
 B, T = 4, 12
@@ -46,7 +46,7 @@ def _loss(graphdef, chunk_size=CHUNK, calls=1):
         lm = nnx.merge(graphdef, params)
         total = 0.0
         for k in range(calls):  # calls > 1: the same stack and head run twice in one loss
-            logp, ent, _ = updates.token_logprobs(
+            logp, ent, _ = engine.token_logprobs(
                 lm, batch, entropy_grad=True, chunk_size=chunk_size
             )
             w = batch.loss_mask * (1.0 + k)
@@ -122,14 +122,14 @@ def test_no_sink_no_claim():
 
 
 def test_accumulated_microbatches_equal_the_plain_sum():
-    """updates.accumulate_gradients (sink open) over 3 microbatches equals the sum of the plain
+    """engine.accumulate_gradients (sink open) over 3 microbatches equals the sum of the plain
     per-microbatch gradients (no sink), for the scanned layers, the chunked tied head and the
     rest. 1e-6: the same float32 products; only the order of the adds may differ."""
     graphdef, params = _model()
     mbs = [_batch(seed=s) for s in range(3)]
     loss = _loss(graphdef)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *mbs)
-    got, metrics = jax.jit(lambda p, m: updates.accumulate_gradients(loss, p, m))(params, stacked)
+    got, metrics = jax.jit(lambda p, m: engine.accumulate_gradients(loss, p, m))(params, stacked)
     grad = jax.jit(jax.grad(loss, has_aux=True))
     parts = [grad(params, mb) for mb in mbs]
     want = jax.tree.map(lambda *g: sum(g[1:], g[0]), *[g for g, _ in parts])
@@ -150,8 +150,8 @@ def _temp_bytes() -> tuple[int, int]:
     )
     graphdef, params = nnx.split(M.init_model(cfg, seed=0), nnx.Param)
     tx = optax.sgd(1e-3)
-    upd = updates.make_grpo_update(
-        graphdef, tx, updates.GRPOUpdateConfig(num_microbatches=2, logprob_chunk_size=8)
+    upd = grpo.make_grpo_update(
+        graphdef, tx, grpo.GRPOUpdateConfig(num_microbatches=2, logprob_chunk_size=8)
     )
     state = state_lib.TrainState.create(graphdef, params, tx)
     batch = jax.tree.map(lambda x: jnp.concatenate([x, x]), _batch())

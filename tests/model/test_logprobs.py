@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxrlvr import model as M
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import updates
+from jaxrlvr.algos import engine, grpo
 from jaxrlvr.model import logprobs as logprobs_lib
 
 B, T = 3, 11
@@ -32,7 +32,7 @@ def _loss(graphdef, ids, labels, w, chunk_size, entropy_grad):
     def f(params):
         lm = nnx.merge(graphdef, params)
         hidden, _ = lm.backbone(ids)
-        logp, ent = updates.token_logprobs_from_hidden(
+        logp, ent = engine.token_logprobs_from_hidden(
             lm, hidden, labels, entropy_grad=entropy_grad, chunk_size=chunk_size
         )
         return jnp.sum(w[0] * logp) + jnp.sum(w[1] * ent), (logp, ent)
@@ -99,17 +99,15 @@ def test_make_logprob_fn_chunked():
         labels=labels,
         loss_mask=loss_mask,
     )
-    ref = jax.jit(updates.make_logprob_fn(graphdef))(params, batch)
-    got = jax.jit(updates.make_logprob_fn(graphdef, num_microbatches=3, chunk_size=3))(
-        params, batch
-    )
+    ref = jax.jit(engine.make_logprob_fn(graphdef))(params, batch)
+    got = jax.jit(engine.make_logprob_fn(graphdef, num_microbatches=3, chunk_size=3))(params, batch)
     _assert_close(got, jax.tree.map(lambda x: jnp.where(loss_mask > 0, x, 0.0), ref))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5])
 def test_chunk_size_is_checked(bad):
     with pytest.raises(ValueError, match="logprob_chunk_size"):
-        updates.GRPOUpdateConfig(logprob_chunk_size=bad)
+        grpo.GRPOUpdateConfig(logprob_chunk_size=bad)
 
 
 def test_vocab_parallel_head_on_a_mesh():

@@ -1,0 +1,105 @@
+"""What GRPO and PPO share: the batch specs of a policy-gradient method, the policy objective
+on one microbatch, and the old / reference log-prob passes of ``prepare``.
+
+``policy_specs`` is the one place that decides which log-prob fields a policy-gradient method
+reads: the sampler's log-probs are required by truncated IS (``loss.tis``) and otherwise used for
+the sampler/trainer gap metric when present; the reference's are required when the KL term is in
+the loss; ``old_logp`` is optional (None: one on-policy epoch, ratio 1) unless the method says
+otherwise.
+
+Not here: the loss math (``policy_loss``), the update skeleton (``engine``) and each method's
+own record (``grpo``, ``ppo``).
+"""
+
+from collections.abc import Callable
+
+import jax
+
+from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.algos import loss_config, policy_loss
+from jaxrlvr.algos import state as state_lib
+
+Metrics = dict[str, jax.Array]
+LOGPROB_FIELDS = ("ref_logp", "sampler_logp", "old_logp")
+
+
+def policy_specs(
+    loss: loss_config.PolicyLossConfig,
+    rollout_fields: tuple[str, ...],
+    update_fields: tuple[str, ...],
+    num_microbatches: int,
+) -> tuple[batch_lib.BatchSpec, batch_lib.BatchSpec]:
+    """(rollout_spec, batch_spec) of a policy-gradient method.
+
+    Args:
+      loss: the policy objective (its ``tis``, ``kl_coef`` and ``kl_in`` decide the log-prob
+        fields).
+      rollout_fields: what the host computes for every rollout (GRPO's ``advantages``, PPO's
+        ``rewards``); required by both specs.
+      update_fields: what ``prepare`` adds and the update requires (PPO's ``old_values``,
+        ``old_logp``, and ``ref_logp`` for its reward KL).
+      num_microbatches: the update's microbatches (both specs carry it).
+    """
+    tis = ("sampler_logp",) if loss.tis != "none" else ()
+    ref = ("ref_logp",) if loss.kl_coef > 0 and loss.kl_in == "loss" else ()
+    rollout = batch_lib.BatchSpec(
+        required=rollout_fields + tis,
+        optional=() if tis else ("sampler_logp",),
+        num_microbatches=num_microbatches,
+    )
+    required = tuple(dict.fromkeys(rollout_fields + update_fields + ref + tis))
+    update = batch_lib.BatchSpec(
+        required=required,
+        optional=tuple(f for f in LOGPROB_FIELDS if f not in required),
+        num_microbatches=num_microbatches,
+    )
+    return rollout, update
+
+
+def policy_terms(
+    logp_bt: jax.Array,
+    entropy_bt: jax.Array,
+    mb: batch_lib.Batch,
+    adv: jax.Array,
+    mask_bt: jax.Array,
+    loss_cfg: loss_config.PolicyLossConfig,
+    denominator: jax.Array,
+) -> tuple[jax.Array, Metrics]:
+    """One microbatch's share of the policy objective (``policy_loss.policy_loss``) and its
+    metric sums, ``policy_loss`` added as a copy of ``loss``. ``mb.old_logp`` None (one
+    on-policy epoch) uses ``logp_bt`` behind a stop-gradient: ratio exactly 1."""
+    old = mb.old_logp if mb.old_logp is not None else jax.lax.stop_gradient(logp_bt)
+    loss, metrics = policy_loss.policy_loss(
+        logp_bt,
+        old,
+        adv,
+        mask_bt,
+        loss_cfg,
+        denominator=denominator,
+        ref_logp_bt=mb.ref_logp,
+        sampler_logp_bt=mb.sampler_logp,
+        entropy_bt=entropy_bt,
+        segment_ids_bt=mb.segment_ids,
+    )
+    metrics = dict(metrics)
+    metrics["policy_loss"] = metrics["loss"]
+    return loss, metrics
+
+
+def policy_passes(
+    logprob_fn: Callable,
+    state: state_lib.TrainState,
+    rollouts: batch_lib.Batch,
+    *,
+    old: bool = True,
+) -> tuple[batch_lib.Batch, Metrics]:
+    """The rollouts with ``old_logp`` (the current policy's; skipped when ``old`` is False) and,
+    when the state holds a KL reference, ``ref_logp``.
+
+    The sampler/trainer gap needs no pass of its own: the update reports it as ``logp_diff_abs``
+    (mean over loss tokens) and ``logp_diff_abs_max`` whenever the batch carries the sampler's
+    log-probs (``importance.tis_metrics`` of ``old_logp``, or of the current log-probs on policy).
+    """
+    old_logp = logprob_fn(state.params, rollouts)[0] if old else None
+    ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
+    return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), {}
