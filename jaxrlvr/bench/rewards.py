@@ -11,6 +11,13 @@ For each workload it reports the in-process serial rate (``grade_in_process``, n
 the pool rate (``GradingPool(num_workers, timeout_s)``; worker start-up excluded and reported on
 its own). Not a test: numbers are for the closing note and for spotting regressions by eye.
 
+- ``code``: programs per second for ``reward.fn: code`` (answers to the synthetic code task, half
+  right, half wrong, plus the MBPP-layout sample's reference solutions): the pool (each worker
+  with its warm bubblewrap sandbox), one warm sandbox in process, and the plain baseline, a fresh
+  unsandboxed ``python -I -S`` subprocess per program (serial, as a simple grader would run it).
+  ``agreement`` is the fraction of programs where the pool and the plain subprocess agree on
+  all-pass.
+
 Usage: ``jaxrlvr bench rewards [--n 600] [--workers 2] [--timeout 5] [--json PATH]`` (or
 ``python benchmarks/bench_rewards.py``).
 """
@@ -24,8 +31,8 @@ import time
 
 from jaxrlvr import data, rewards
 from jaxrlvr.bench import common
-from jaxrlvr.data import synthetic
-from jaxrlvr.rewards import grading, math_equiv
+from jaxrlvr.data import code_loading, synthetic, synthetic_code
+from jaxrlvr.rewards import code, grading, math_equiv, sandbox
 
 _FILLER = "Let me think about this step by step. We rewrite the expression and simplify. " * 20
 
@@ -71,6 +78,72 @@ def _synthetic_workload(n: int, rng: random.Random):
     return rewards.synthetic_reward_fn, responses, truths
 
 
+def _code_workload(n: int, rng: random.Random):
+    train, _ = synthetic_code.make_splits(0, min(n, 2000), 0)
+    mbpp, _ = code_loading.load_code_problems(data.sample_path("mbpp_sample.jsonl"), "mbpp")
+    responses, truths = [], []
+    for i in range(n):
+        if i % 10 == 9:
+            p = mbpp[i % len(mbpp)]
+            responses.append(f"```python\n{p.solution}```")
+        else:
+            p = train[i % len(train)]
+            body = p.solution if rng.random() < 0.5 else f"x+{rng.randint(0, 9)}"
+            responses.append(f" <answer>{body}</answer>")
+        truths.append(p.answer)
+    fn = code.make_code_reward_fn(code.CodeRewardConfig(mode="all_pass"))
+    return fn, responses, truths
+
+
+def _plain_subprocess(responses, truths) -> tuple[list[bool], float]:
+    """All-pass per program, each run as a fresh unsandboxed ``python -I -S`` process."""
+    import subprocess
+    import tempfile
+
+    python = sandbox.base_python()
+    passed = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (response, truth) in enumerate(zip(responses, truths, strict=True)):
+            task = code.CodeTask.from_json(truth)
+            source = code.extract_code(response) or ""
+            script = "\n".join([task.prefix + source, task.setup, *task.tests]) + "\n"
+            path = os.path.join(tmp, f"p{i}.py")
+            with open(path, "w") as f:
+                f.write(script)
+            try:
+                proc = subprocess.run(
+                    [python, "-I", "-S", path], capture_output=True, timeout=5.0, cwd=tmp
+                )
+                passed.append(proc.returncode == 0)
+            except subprocess.TimeoutExpired:
+                passed.append(False)
+    return passed, time.perf_counter() - start
+
+
+def _code_case(pool: grading.GradingPool, n: int, workers: int) -> dict:
+    fn, responses, truths = _code_workload(n, random.Random(0))
+    pool.grade(fn, responses[: 2 * workers], truths[: 2 * workers])  # start the sandboxes
+    pooled, pool_stats = pool.grade(fn, responses, truths)
+    fn(responses[0], truths[0])  # this process's warm sandbox
+    serial, serial_stats = grading.grade_in_process(fn, responses, truths)
+    plain, plain_s = _plain_subprocess(responses, truths)
+    agree = sum((s["reward"] == 1.0) == p for s, p in zip(pooled, plain)) / len(plain)
+    sandbox.close_shared()
+    return {
+        "n": len(responses),
+        "in_process_per_s": len(responses) / serial_stats.seconds,
+        "pool_per_s": len(responses) / pool_stats.seconds,
+        "plain_subprocess_per_s": len(responses) / plain_s,
+        "pool_vs_plain_subprocess": plain_s / pool_stats.seconds,
+        "pool_timeouts": pool_stats.timeouts,
+        "pool_errors": pool_stats.errors,
+        "mean_reward": sum(s["reward"] for s in pooled) / len(pooled),
+        "pool_agrees_with_plain_subprocess": agree,
+        "in_process_agrees_with_pool": sum(a == b for a, b in zip(serial, pooled)) / len(serial),
+    }
+
+
 WORKLOADS = {
     "r1_zero_math": _math_workload,
     "gsm8k": _gsm8k_workload,
@@ -100,7 +173,7 @@ def main(argv=None) -> int:
         for name, build in WORKLOADS.items():
             fn, responses, truths = build(args.n, random.Random(0))
             pooled, pool_stats = pool.grade(fn, responses, truths)
-            math_equiv._parse.cache_clear()  # in-process starts as cold as the workers did
+            math_equiv.clear_parse_cache()  # in-process starts as cold as the workers did
             serial, serial_stats = grading.grade_in_process(fn, responses, truths)
             agree = sum(a == b for a, b in zip(serial, pooled)) / len(serial)
             results[name] = {
@@ -119,6 +192,14 @@ def main(argv=None) -> int:
                 f"errors={r['pool_errors']}  mean reward {r['mean_reward']:.3f}  "
                 f"agreement {agree:.3f}"
             )
+        r = results["code"] = _code_case(pool, args.n, args.workers)
+        print(
+            f"{'code':13s} n={r['n']:5d}  in-process {r['in_process_per_s']:8.1f}/s  "
+            f"pool({args.workers}) {r['pool_per_s']:8.1f}/s  plain subprocess "
+            f"{r['plain_subprocess_per_s']:6.1f}/s  ({r['pool_vs_plain_subprocess']:.2f}x)  "
+            f"timeouts={r['pool_timeouts']} errors={r['pool_errors']}  mean reward "
+            f"{r['mean_reward']:.3f}  agreement {r['pool_agrees_with_plain_subprocess']:.3f}"
+        )
     print(f"pool start-up (workers ready + first call): {startup_s:.2f} s")
 
     if args.json:

@@ -296,6 +296,11 @@ def _parse(text: str) -> tuple:
     return tuple(_math_verify().parse(f"${text}$", parsing_timeout=None))
 
 
+def clear_parse_cache() -> None:
+    """Empty the parse cache (benchmarks that compare a cold in-process run with the pool)."""
+    _parse.cache_clear()
+
+
 def _squash(text: str) -> str:
     return re.sub(r"\s+", "", text)
 
