@@ -19,7 +19,7 @@ import functools
 import re
 from typing import Literal, Protocol, get_args
 
-from jaxrlvr.rewards import math_equiv
+from jaxrlvr.rewards import code, math_equiv
 
 THINK_ANSWER = "</think> <answer>"
 ANSWER_OPEN = "<answer>"
@@ -203,13 +203,16 @@ def synthetic_reward_fn(
     return _score(True, gold is not None and math_equiv.as_integer(answer) == gold, format_weight)
 
 
-RewardName = Literal["r1_zero", "question_only", "gsm8k", "synthetic"]
+RewardName = Literal["r1_zero", "question_only", "gsm8k", "synthetic", "code"]
 
+# "code": ``code.code_reward_fn`` with its defaults (pass fraction, the bubblewrap sandbox, default
+# limits); ``code.make_code_reward_fn`` takes a ``CodeRewardConfig`` (what the driver uses).
 _REWARD_FNS = {
     "r1_zero": r1_zero_reward_fn,
     "question_only": question_only_reward_fn,
     "gsm8k": gsm8k_reward_fn,
     "synthetic": synthetic_reward_fn,
+    "code": code.code_reward_fn,
 }
 
 
@@ -218,7 +221,7 @@ class RewardConfig:
     """Which built-in verifier to use and how much the format reward counts.
 
     Attributes:
-      name: one of ``r1_zero``, ``question_only``, ``gsm8k``, ``synthetic``.
+      name: one of ``r1_zero``, ``question_only``, ``gsm8k``, ``synthetic``, ``code``.
       format_weight: reward = answer_reward + format_weight * format_reward (>= 0).
     """
 

@@ -122,3 +122,15 @@ def test_grading_pool_runs_code_rewards_in_its_workers():
         scores, stats = pool.grade(fn, responses, [TASK.to_json()] * len(responses))
     assert [s["reward"] for s in scores] == [1.0, 0.0, 0.0, 0.0] * 3
     assert stats.errors == 0 and stats.timeouts == 0
+
+
+@needs_bwrap
+def test_verifiers_reward_config_names_code():
+    from jaxrlvr.rewards import verifiers
+
+    fn = verifiers.make_reward_fn(verifiers.RewardConfig(name="code", format_weight=0.25))
+    assert fn(CORRECT, TASK.to_json()) == {
+        "format_reward": 1.0,
+        "answer_reward": 1.0,
+        "reward": 1.25,
+    }
