@@ -134,3 +134,28 @@ def test_verifiers_reward_config_names_code():
         "answer_reward": 1.0,
         "reward": 1.25,
     }
+
+
+def _code_cfg(**reward):
+    return configlib.build(config_lib.TrainConfig, {"reward": {"fn": "code", **reward}})
+
+
+def test_build_grader_without_bwrap_is_one_line_naming_it(monkeypatch, tmp_path):
+    from jaxrlvr import builders
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(configlib.ConfigKeyError) as err:
+        builders.build_grader(_code_cfg())
+    assert "\n" not in str(err.value) and "bubblewrap" in str(err.value)
+    assert "reward.sandbox" in str(err.value)
+
+
+def test_build_grader_sandbox_none_warns_and_grades(capfd):
+    from jaxrlvr import builders
+
+    reward_fn, pool = builders.build_grader(_code_cfg(sandbox="none", num_workers=1))
+    with pool:
+        assert "WITHOUT a sandbox" in capfd.readouterr().err
+        scores, _ = pool.grade(reward_fn, [CORRECT], [TASK.to_json()])
+    assert scores[0]["reward"] == 1.0
+    assert pool.timeout_s >= code.CodeRewardConfig().program_timeout_s
