@@ -1,6 +1,6 @@
 """Asynchronous rollouts: the batch of step t + k is generated while the trainer updates step t.
 
-``rl.max_staleness`` = k. The trainer (``train.Trainer.rl_step``) and a `RolloutProducer` share
+``rl.max_staleness`` = k. The RL phase (``phases.rl.RLPhase.rl_step``) and a `RolloutProducer` share
 one schedule, fixed in advance so that runs are reproducible and resumable bit for bit:
 
     step t:  submit(t + k)        the producer's thread generates step t + k's batch with the

@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from jaxrlvr import builders, preflight, train
+from jaxrlvr import builders, export, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.rewards import grading, verifiers
@@ -78,7 +78,7 @@ def build_pairs(
     if run_dir is None:
         model = builders.build_model(cfg, tokenizer, mesh)
     else:
-        step, model = train.restore_policy(cfg, run_dir, mesh, tokenizer)
+        step, model = export.restore_policy(cfg, run_dir, mesh, tokenizer)
         builders.log(f"pairs: sampling from checkpoint step {step} of {run_dir}")
     problems, _ = builders.load_splits(cfg)
     problems = problems[: pairs_cfg.max_problems]

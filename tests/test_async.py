@@ -85,21 +85,22 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(tmp_path):
     try:
         trainer.run()
         got = _host_params(trainer.state.params)
-        assert trainer.producer is None
+        assert trainer.phase.producer is None
     finally:
         trainer.close()
 
     ref = train.Trainer(_cfg(tmp_path / "ref", *steps))
     try:
-        ref.sampler.update_weights(ref.state.params, version=0)
+        rl = ref.phase
+        ref.ctx.sampler.update_weights(ref.state.params, version=0)
         for t in range(3):
-            problems, prompts, completions, _ = ref.sample(ref.cfg.run.seed * 1_000_003 + t)
-            scores, _ = ref.grade(problems, completions)
-            rollouts, _ = ref.shape(prompts, completions, scores)
-            batch, _ = ref.prepare(rollouts)
-            ref.update(batch)
-            ref.sync()
-            ref.loop.rl_step += 1
+            problems, prompts, completions, _ = rl.sample(ref.cfg.run.seed * 1_000_003 + t)
+            scores, _ = rl.grade(problems, completions)
+            rollouts, _ = rl.shape(prompts, completions, scores)
+            batch, _ = rl.prepare(rollouts)
+            rl.update(batch)
+            rl.sync()
+            rl.position += 1
         want = _host_params(ref.state.params)
     finally:
         ref.close()
@@ -133,16 +134,16 @@ def k1_run(tmp_path_factory):
     trainer = train.Trainer(cfg)
     out = {"metrics": [], "run_dir": run_dir}
     try:
-        trainer.sampler.update_weights(trainer.state.params, version=0)
+        trainer.ctx.sampler.update_weights(trainer.state.params, version=0)
         params = {0: jax.device_get(trainer.state.params)}
         for t in range(4):
             if t == 2:
-                out["batch"] = trainer.producer.peek(2)
-            out["metrics"].append(trainer.rl_step())
+                out["batch"] = trainer.phase.producer.peek(2)
+            out["metrics"].append(trainer.phase.rl_step())
             params[t + 1] = jax.device_get(trainer.state.params)
         out["params"] = params
-        out["graphdef"] = trainer.graphdef
-        out["sampler_version"] = trainer.sampler.version
+        out["graphdef"] = trainer.ctx.graphdef
+        out["sampler_version"] = trainer.ctx.sampler.version
     finally:
         trainer.close()
     return out

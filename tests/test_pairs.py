@@ -128,16 +128,18 @@ def test_cached_reference_gives_the_same_updates_with_one_reference_pass(tmp_pat
             ],
         )
         trainer = train.Trainer(cfg)
+        phase = trainer.phase
         reference_passes = []  # per prepare call: did it run the reference forward?
-        prepare = trainer.compiled.prepare
+        prepare = phase.compiled.prepare
 
         def counting_prepare(state, batch, prepare=prepare, seen=reference_passes):
             seen.append(batch.ref_logp is None)
             return prepare(state, batch)
 
-        trainer.compiled.prepare = counting_prepare
+        phase.compiled.prepare = counting_prepare
         try:
-            metrics = [trainer.preference_step() for _ in range(3)]
+            phase.begin()  # reads the pairs (and, cached, computes the reference's log-probs)
+            metrics = [phase.step() for _ in range(3)]
             params = jax.device_get(trainer.state.params)
         finally:
             trainer.close()

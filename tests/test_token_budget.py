@@ -183,11 +183,12 @@ def test_budget_on_eight_batch_shards_runs_the_record_of_its_count(tmp_path):
         trainer = train.Trainer(cfg)
         try:
             start = jax.device_get(trainer.state.params)
-            metrics = [trainer.rl_step() for _ in range(2)]
+            metrics = [trainer.phase.rl_step() for _ in range(2)]
             if name == "budget":
-                assert trainer.compiled_for(2) is trainer.compiled_for(2)
-                assert trainer.compiled_for(2) is not trainer.compiled  # the configured 1's
-                assert trainer.compiled_for(2).state_shardings is trainer.compiled.state_shardings
+                rl = trainer.phase
+                assert rl.compiled_for(2) is rl.compiled_for(2)
+                assert rl.compiled_for(2) is not rl.compiled  # the configured 1's
+                assert rl.compiled_for(2).state_shardings is rl.compiled.state_shardings
             params = jax.device_get(trainer.state.params)
         finally:
             trainer.close()

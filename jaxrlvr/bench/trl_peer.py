@@ -28,7 +28,7 @@ Timed per step (TRL's own methods wrapped): ``sample`` (``_generate``), ``reward
 (the rest of TRL's batch preparation), ``update`` (forward, backward, optimizer step). TRL
 generates with the training model, so there is no weight sync and no waiting. After the timed
 phase the final model is saved and evaluated with jaxrlvr's own held-out evaluation
-(``train.evaluate_only``: same problems, sampler, seed and grader as the jaxrlvr run).
+(``evaluation.evaluate_only``: same problems, sampler, seed and grader as the jaxrlvr run).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import transformers
     import trl
 
-    from jaxrlvr import builders, train
+    from jaxrlvr import builders, evaluation
     from jaxrlvr import config as config_lib
     from jaxrlvr.bench import common
     from jaxrlvr.rewards import verifiers
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     eval_cfg = dataclasses.replace(
         eval_cfg, run=dataclasses.replace(eval_cfg.run, out_dir=os.path.join(args.out, "eval"))
     )
-    ev = train.evaluate_only(eval_cfg)
+    ev = evaluation.evaluate_only(eval_cfg)
 
     lengths = [h["completions/mean_length"] for h in history if "completions/mean_length" in h]
     record = {

@@ -1,0 +1,77 @@
+"""A run's policy from its checkpoints: ``restore_policy`` (for eval, export and pairs) and
+``export_checkpoint`` (``jaxrlvr export``: a Hugging Face folder).
+
+Only the run directory is read (its checkpoints, config.yaml and the tokenizer): no data, graders
+or Hugging Face weights are loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import yaml
+from flax import nnx
+
+from jaxrlvr import builders, configlib, methods
+from jaxrlvr import checkpoint as checkpoint_lib
+from jaxrlvr import config as config_lib
+from jaxrlvr import model as model_lib
+
+log = builders.log
+
+
+def restore_policy(
+    cfg: config_lib.TrainConfig, run_dir: str, mesh, tokenizer, *, step: int | None = None
+) -> tuple[int, model_lib.Qwen2ForCausalLM]:
+    """The policy of a run's checkpoint (default: the newest that restores), restored into an
+    abstract model: no Hugging Face weights are loaded, no data or graders are touched.
+
+    The architecture comes from the checkpoint (``model_config``), else from the run's config.
+    """
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
+
+    def target(s, extra):
+        if extra.get("model_config"):
+            m = cfg.model
+            model_cfg = model_lib.ModelConfig.from_hf_config(
+                extra["model_config"],
+                dtype=m.dtype,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+            )
+        else:
+            model_cfg = builders.model_config(cfg, tokenizer)
+        graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
+        algo = methods.make_algorithm(cfg, extra["record"], graphdef, params_shape, mesh)
+        target.graphdef = graphdef
+        return {"state": methods.abstract_state(algo, params_shape, mesh)[0]}
+
+    try:
+        restored = ckpt.restore_latest(target, step=step, log=log)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+    step, tree, _ = restored
+    return step, nnx.merge(target.graphdef, tree["state"].params)
+
+
+def _single_host_mesh():
+    return model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1))
+
+
+def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) -> str:
+    """Restores a checkpoint's policy and writes a Hugging Face folder (config, safetensors,
+    tokenizer). Reads only the run directory (and the tokenizer): no data, graders or HF load."""
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
+    tokenizer = builders.build_tokenizer(cfg)
+    step, model = restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
+    model_lib.save_hf(model, out_dir, tokenizer_src=tokenizer)
+    with open(os.path.join(out_dir, "jaxrlvr_export.json"), "w") as f:
+        json.dump({"run_dir": os.path.abspath(run_dir), "step": step}, f)
+    return out_dir

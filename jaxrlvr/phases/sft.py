@@ -1,0 +1,121 @@
+"""The SFT phase: supervised fine-tuning on prompt/response pairs (the RL run's warm start).
+
+Pairs are the training problems' gold responses (``sft.data: gold``, rendered in
+``data.gold_format``) or rows of a jsonl file read with ``datasets``. A step is the next
+``sft.batch_size`` pairs (prompt + response + EOS, packed or padded, cut to the model's context) ->
+the compiled prepare -> update. The data order is derived from ``run.seed`` and fast-forwarded on
+resume, so the position is the step count alone. After the last step the sampler receives the
+weights (the held-out evaluation after the warm start samples from them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from jaxrlvr import builders, rollout
+from jaxrlvr.data import iterators, loading, shards, templates
+from jaxrlvr.phases import base
+
+
+class SFTPhase(base.Phase):
+    name = "sft"
+    algorithm_phase = "sft"
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.sft.steps
+
+    def postfix(self, metrics):
+        return {"phase": "sft", "loss": f"{metrics.get('sft/loss', float('nan')):.3f}"}
+
+    def examples(self) -> list[loading.Problem]:
+        """SFT pairs as Problems (question = prompt text, answer = response text)."""
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.sft.data == "gold":
+            return [
+                loading.Problem(
+                    question=builders.render(cfg, p, ctx.tokenizer),
+                    answer=templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
+                    id=p.id,
+                )
+                for p in ctx.train_problems
+            ]
+        import datasets
+
+        rows = datasets.load_dataset("json", data_files=cfg.sft.data, split="train")
+        examples, skipped = [], 0
+        for i, row in enumerate(rows):
+            prompt, response = row.get(cfg.sft.prompt_field), row.get(cfg.sft.response_field)
+            if not isinstance(prompt, str) or not isinstance(response, str) or not response:
+                skipped += 1
+                continue
+            examples.append(loading.Problem(question=prompt, answer=response, id=f"sft-{i}"))
+        if skipped:
+            builders.log(f"{cfg.sft.data}: skipped {skipped} rows without a prompt and response")
+        if not examples:
+            raise ValueError(f"sft.data={cfg.sft.data!r}: no usable prompt/response rows")
+        return examples
+
+    def make_iterator(self):
+        """The SFT order: one iterator, or one per owned data shard (gold pairs follow their
+        problems' shards; pairs from a file are split like the problems)."""
+        cfg, ctx = self.cfg, self.ctx
+        examples = self.examples()
+        if ctx.num_shards == 1:
+            return iterators.PromptIterator(examples, cfg.sft.batch_size, seed=cfg.run.seed + 1)
+        if cfg.sft.data == "gold":  # in ctx.train_problems' order: the owned shards'
+            per_shard, start = {}, 0
+            for i, problems in ctx.train_shards.items():
+                per_shard[i] = examples[start : start + len(problems)]
+                start += len(problems)
+        else:
+            split = shards.split(examples, ctx.num_shards, cfg.run.seed + 1)
+            per_shard = {i: split[i] for i in ctx.train_shards}
+        size = cfg.sft.batch_size // ctx.num_shards
+        return shards.ShardedIterator(
+            per_shard,
+            lambda items, seed: iterators.PromptIterator(items, size, seed=seed),
+            seed=cfg.run.seed + 1,
+        )
+
+    def batch(self, examples: list[loading.Problem]):
+        """The host batch of ``examples``: prompt + response + EOS, cut to the context."""
+        ctx = self.ctx
+        limit = ctx.model_cfg.max_position_embeddings
+        prompts, responses = [], []
+        for ex in examples:
+            p = builders.encode(ctx.tokenizer, ex.question)
+            r = builders.encode(ctx.tokenizer, ex.answer) + [ctx.tokenizer.eos_token_id]
+            prompts.append(p[: limit - 1])
+            responses.append(r[: max(limit - len(prompts[-1]), 0)])
+        sft = self.cfg.sft
+        packed = rollout.pack(
+            prompts,
+            responses,
+            pad_id=ctx.pad_id,
+            max_length=limit,
+            segments=sft.packing,
+            row_tokens=sft.max_tokens_per_row,
+            row_multiple=sft.microbatches * builders.batch_shards(ctx.mesh),
+        )
+        return rollout.to_batch(packed)
+
+    def begin(self) -> None:
+        self.iterator = self.make_iterator()
+        # Fast-forward the data order on resume (cheap: host-side index arithmetic).
+        for _ in range(self.position):
+            self.iterator.next_batch()
+
+    def step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch, _ = self.compiled.prepare(self.state, self.batch(self.iterator.next_batch()))
+        self.state, m = self.compiled.update(self.state, batch)
+        m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
+        m["time/step_s"] = time.perf_counter() - t0
+        self.position += 1
+        return m
+
+    def finish(self) -> None:
+        self.ctx.sampler.update_weights(self.state.params)

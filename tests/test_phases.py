@@ -1,0 +1,216 @@
+"""The driver as a loop over phases: which phases a config gets (``phases.plan``), and the loop's
+hooks (evaluation, checkpoints, metrics, the agreed stop, resume) driven with two phases written
+here, which the loop runs knowing nothing of them: the shape a new phase plugs into."""
+
+import json
+import pathlib
+
+import jax
+import pytest
+
+from jaxrlvr import config as config_lib
+from jaxrlvr import interrupt, phases, train
+from jaxrlvr.phases import base, preference, rl, sft
+
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+    "data.synthetic_train_size=40",
+    "data.synthetic_eval_size=4",
+    "sft.batch_size=8",
+    "rl.prompts_per_step=4",
+    "mesh.data=8",  # the 8 fake devices of tests/conftest.py
+    "rl.group_size=2",
+    "reward.num_workers=1",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def _cfg(*overrides):
+    return config_lib.load_config("configs/demo.yaml", [*TINY, *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        (["sft.steps=3", "rl.algo=grpo"], [sft.SFTPhase, rl.RLPhase]),
+        (["sft.steps=0", "rl.algo=ppo"], [rl.RLPhase]),
+        (["sft.steps=2", "rl.algo=expert_iteration"], [sft.SFTPhase, rl.RLPhase]),
+        (["sft.steps=0", "rl.algo=dpo", "pref.data=x.jsonl"], [preference.PreferencePhase]),
+        (["sft.steps=3", "rl.algo=none"], [sft.SFTPhase]),
+        (["sft.steps=0", "rl.algo=none"], [sft.SFTPhase]),  # an SFT-only run of 0 steps
+    ],
+)
+def test_plan_chooses_the_phases_from_the_config(overrides, want):
+    assert phases.plan(_cfg(*overrides)) == want
+
+
+CALLS = []
+
+
+class _Counting(base.Phase):
+    """A phase that trains nothing: it records what the loop asks of it. Its state is the SFT
+    record's (a real TrainState, so checkpoints save and restore it)."""
+
+    algorithm_phase = "sft"
+    steps = 0
+    every = None
+
+    @property
+    def total_steps(self):
+        return self.steps
+
+    @property
+    def eval_every(self):
+        return self.every
+
+    def enter(self, params, rng):
+        CALLS.append((self.name, "enter"))
+        super().enter(params, rng)
+
+    def begin(self):
+        CALLS.append((self.name, "begin", self.position))
+
+    def step(self):
+        self.position += 1
+        CALLS.append((self.name, "step", self.position))
+        return {f"{self.name}/position": float(self.position)}
+
+    def finish(self):
+        CALLS.append((self.name, "finish"))
+
+    def state_dict(self):
+        return {"at": self.position}
+
+    def load_state_dict(self, state):
+        CALLS.append((self.name, "load", state["at"]))
+
+
+class _First(_Counting):
+    name, steps = "first", 3
+
+
+class _Second(_Counting):
+    name, steps, every = "second", 4, 2
+
+
+@pytest.fixture
+def two_phases(monkeypatch):
+    CALLS.clear()
+    monkeypatch.setattr(phases, "plan", lambda cfg: [_First, _Second])
+    evals = []
+
+    def evaluate(self):
+        evals.append(self.global_step)
+        return {"eval/accuracy": 0.1 * len(evals)}
+
+    monkeypatch.setattr(train.Trainer, "evaluate", evaluate)
+    return evals
+
+
+def test_the_loop_runs_phases_it_knows_nothing_of(tmp_path, two_phases):
+    evals = two_phases
+    cfg = _cfg(
+        f"run.out_dir={tmp_path}", "checkpoint.every=2", "checkpoint.keep=10", "eval.at_start=false"
+    )
+    trainer = train.Trainer(cfg)
+    try:
+        summary = trainer.run()
+        saved = trainer.ckpt.all_steps()
+    finally:
+        trainer.close()
+    assert CALLS == [
+        ("first", "enter"),
+        ("first", "begin", 0),
+        *[("first", "step", i) for i in (1, 2, 3)],
+        ("first", "finish"),
+        ("second", "enter"),  # after the first's last step, from its parameters
+        ("second", "begin", 0),
+        *[("second", "step", i) for i in (1, 2)],
+        *[("second", "step", i) for i in (3, 4)],
+        ("second", "finish"),
+    ]
+    # Evaluations: after the first phase (no eval_every) and every 2 steps of the second.
+    assert evals == [3, 5, 7]
+    assert [(e["phase"], e["step"]) for e in summary["eval_history"]] == [
+        ("first", 3),
+        ("second", 2),
+        ("second", 4),
+    ]
+    assert summary["steps"] == {"first": 3, "second": 4}
+    assert summary["eval_accuracy_final"] == pytest.approx(0.3)
+    # Checkpoints every 2 steps of a phase and at each phase's end.
+    assert saved == [2, 3, 5, 7]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 8))
+    assert lines[2]["first/position"] == 3 and lines[2]["eval/accuracy"] == pytest.approx(0.1)
+
+
+def test_an_agreed_stop_saves_that_step_and_resume_continues_the_phase(
+    tmp_path, two_phases, monkeypatch
+):
+    cfg = _cfg(f"run.out_dir={tmp_path}", "checkpoint.every=100", "eval.at_start=false")
+    asked = []
+
+    def should_stop(self, step):
+        asked.append(step)
+        self.requested = "SIGTERM" if step == 5 else None
+        return step == 5
+
+    monkeypatch.setattr(interrupt.GracefulStop, "should_stop", should_stop)
+    trainer = train.Trainer(cfg)
+    try:
+        out = trainer.run()
+        params = jax.device_get(trainer.state.params)
+    finally:
+        trainer.close()
+    assert out == {"interrupted": "SIGTERM", "step": 5}
+    assert asked == [1, 2, 3, 4, 5]  # once per step boundary, with the global step
+    assert trainer.ckpt.all_steps() == [3, 5]
+
+    CALLS.clear()
+    monkeypatch.setattr(interrupt.GracefulStop, "should_stop", lambda self, step: False)
+    resumed = train.Trainer(cfg, resume=True)
+    try:
+        restored = jax.device_get(resumed.state.params)
+        summary = resumed.run()
+    finally:
+        resumed.close()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
+        assert (a == b).all()
+    assert CALLS == [
+        ("first", "enter"),
+        ("second", "enter"),
+        ("second", "load", 2),
+        ("second", "begin", 2),
+        ("second", "step", 3),
+        ("second", "step", 4),
+        ("second", "finish"),
+    ]
+    assert summary["steps"] == {"first": 3, "second": 4}
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 8))  # no step logged twice
+
+
+def test_a_checkpoint_of_a_phase_the_config_lacks_is_named(tmp_path, two_phases, monkeypatch):
+    cfg = _cfg(f"run.out_dir={tmp_path}", "checkpoint.every=1", "eval.at_start=false")
+    trainer = train.Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    monkeypatch.setattr(phases, "plan", lambda cfg: [_First])
+    with pytest.raises(Exception, match="'second' is not one of this config's phases"):
+        train.Trainer(cfg, resume=True)
+
+
+def test_train_py_stays_a_thin_loop():
+    """The loop has no per-method branch: train.py never names an algorithm or a phase kind."""
+    source = (pathlib.Path(train.__file__)).read_text()
+    assert len(source.splitlines()) <= 400
+    for word in ("rl.algo ==", "grpo", "ppo", "dpo", "expert_iteration", '== "sft"', "== 'rl'"):
+        assert word not in source, word
