@@ -20,12 +20,12 @@ process). A loopback coordinator address in a job that spans several hosts is re
 error naming ``--coordinator``: the other hosts could not reach it.
 
 Failure: JAX's coordination service (run by process 0) expects a heartbeat from every process;
-one silent for ``heartbeat_timeout`` seconds is declared dead and every other process is stopped
-(from a C++ thread, even when its main thread waits in a collective). When the failure reaches
-Python first (a collective that fails because a peer closed its connection), ``report_failure``
-asks JAX which processes are alive, prints one line naming the lost ones and exits with status 1
-without waiting in JAX's shutdown barrier. When process 0 itself dies the coordination service
-dies with it and JAX stops the others at once with its own (multi-line) message.
+one silent for ``heartbeat_timeout`` seconds is declared dead and JAX stops every other process
+(from a C++ thread, even when its main thread waits in a collective) with a multi-line message.
+When the failure reaches Python first (a collective fails because a peer's connection closed),
+``report_failure`` names the lost processes in one line by a roll call in the service's key-value
+store, and exits with status 1 before JAX's verdict. When process 0 itself dies the service dies
+with it and JAX stops the others at once with its own message.
 
 Preemption: ``interrupt.GracefulStop.should_stop`` agrees on the stopping step through JAX's
 preemption service (``reached_preemption_sync_point``), whose notifier owns SIGTERM.
@@ -45,7 +45,7 @@ import json
 import os
 import re
 import sys
-import threading
+import time
 from typing import Any, Literal
 
 import jax
@@ -245,28 +245,37 @@ def finish() -> None:
 
 
 def report_failure(error: BaseException) -> None:
-    """Called with the exception that ends a process of a multi-process job: asks JAX's
-    coordination service which processes are alive (it answers within ``heartbeat_timeout``),
-    prints one line naming the lost ones and exits with status 1 (``os._exit``: JAX's shutdown
-    barrier would wait for the dead, then abort). Returns (the caller raises ``error``) in a
-    single-process run, after ``finish()``, or when every process is alive and failed alike.
-    A process whose peers stay alive without failing (an error of its own) also exits at once,
-    with its error: the others then report it as lost."""
+    """Called with the exception that ends a process of a multi-process job: prints one line and
+    exits with status 1 (``os._exit``: JAX's shutdown barrier would wait for a dead process, then
+    abort). Returns (the caller raises ``error``) in a single-process run or after ``finish()``.
+
+    A runtime failure (``jax.errors.JaxRuntimeError`` in the chain: a collective whose peer
+    closed its connection) starts a roll call in JAX's coordination service: each failing
+    process checks in under ``jaxrlvr/failed/``; those missing after ``heartbeat_timeout / 4``
+    seconds (at most 10) are named as lost. The answer must come before JAX's own verdict (at
+    most ``heartbeat_timeout`` after the last heartbeat, earliest about half of it), which
+    aborts the process from C++ with a multi-line message and leaves Python no time to speak.
+    Any other error is this process's own: its line names it, and the others report this
+    process as lost.
+    """
     cfg = _state["cfg"]
     if cfg is None or _state["finished"] or jax.process_count() == 1:
         return
-    me = jax.process_index()
-    alive = _alive_processes(timeout=cfg.heartbeat_timeout + 10)
-    if isinstance(alive, set):
-        lost = sorted(set(range(jax.process_count())) - alive)
-        if not lost:
-            return
-        what = (
-            f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
-            f"(no heartbeat to JAX's coordination service for {cfg.heartbeat_timeout} s)"
-        )
-    else:
-        what = _one_line(error) + (f" ({alive})" if alive else "")
+    me, n = jax.process_index(), jax.process_count()
+    what = _one_line(error)
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, jax.errors.JaxRuntimeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        grace = min(cfg.heartbeat_timeout / 4, 10.0)
+        answered = _roll_call(me, n, grace)
+        if isinstance(answered, str):
+            what = f"lost process 0 (JAX's coordination service, which it runs: {answered})"
+        elif lost := sorted(set(range(n)) - answered):
+            what = (
+                f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                f"(a collective failed: {_one_line(cause)[:120]}; no word from it in {grace:g} s)"
+            )
     print(
         f"jaxrlvr: error: process {me}: {what}; stopping this process (restart every process "
         "with --resume to continue from the last checkpoint)",
@@ -276,24 +285,24 @@ def report_failure(error: BaseException) -> None:
     os._exit(1)
 
 
-def _alive_processes(timeout: float) -> set[int] | str:
-    """The live processes by JAX's coordination service (``multihost_utils.live_devices``: a
-    barrier of the live processes), or why they are unknown."""
-    from jax.experimental import multihost_utils
+def _roll_call(me: int, n: int, grace: float) -> set[int] | str:
+    """The processes that checked in as failed within ``grace`` seconds (this one included), or
+    why the coordination service cannot be asked. Its key-value store has no public handle:
+    read through ``jax._src.distributed.global_state.client``, as orbax does."""
+    from jax._src import distributed as jax_distributed
 
-    box: dict[str, Any] = {}
-
-    def ask():
-        try:
-            with multihost_utils.live_devices(jax.devices()) as devices:
-                box["alive"] = {d.process_index for d in devices}
-        except Exception as e:  # the service is gone, or the API changed
-            box["error"] = f"liveness unknown: {_one_line(e)}"
-
-    thread = threading.Thread(target=ask, name="jaxrlvr-liveness", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return box.get("alive", box.get("error", ""))
+    try:
+        client = jax_distributed.global_state.client
+        client.key_value_set(f"jaxrlvr/failed/{me}", "1")
+        deadline = time.monotonic() + grace
+        while True:
+            keys = client.key_value_dir_get("jaxrlvr/failed/")
+            answered = {int(k.rsplit("/", 1)[1]) for k, _ in keys}
+            if len(answered) >= n or time.monotonic() > deadline:
+                return answered
+            time.sleep(0.1)
+    except Exception as e:  # the service is gone (process 0 died), or its API changed
+        return _one_line(e)
 
 
 def _one_line(e: BaseException) -> str:

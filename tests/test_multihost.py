@@ -12,9 +12,9 @@ reference. Each way of launching is used once: explicit flags (``--coordinator -
   preemption sync point), save it and exit 0; ``--resume`` through the Kubernetes variables ends
   with exactly the uninterrupted two-process run's parameters.
 - One process SIGKILLed mid-step (after the step-1 checkpoint): the other exits with status 1
-  and one line naming the lost process within the heartbeat timeout (JAX's coordination
-  service, ``distributed.heartbeat_timeout=10``); ``--resume`` of both then ends with exactly
-  the uninterrupted two-process run's parameters.
+  and one line naming the lost process within the heartbeat timeout
+  (``distributed.heartbeat_timeout=10``; ``distributed.report_failure``); ``--resume`` of both
+  then ends with exactly the uninterrupted two-process run's parameters.
 """
 
 import json
@@ -274,12 +274,13 @@ def killed(tmp_path_factory):
 def test_lost_process_is_reported_in_one_line_within_the_heartbeat_timeout(killed):
     _, rc, err, seconds = killed
     assert rc == 1, err[-3000:]
-    # JAX declares a process dead after HEARTBEAT s without a heartbeat (its staleness check and
-    # the exit add well under a second here).
-    assert seconds < HEARTBEAT + 3, f"process 0 took {seconds:.1f} s to stop"
+    # The roll call waits HEARTBEAT / 4 s; JAX's own verdict would come later, and kill.
+    assert seconds < HEARTBEAT, f"process 0 took {seconds:.1f} s to stop"
     lines = [x for x in err.strip().splitlines() if x.startswith("jaxrlvr:")]
     assert len(lines) == 1, err[-3000:]
-    assert lines[0].startswith("jaxrlvr: error: process 0: lost process 1 (no heartbeat"), lines
+    assert lines[0].startswith("jaxrlvr: error: process 0: lost process 1 (a collective failed"), (
+        lines
+    )
     assert "Traceback" not in err, err[-3000:]
 
 
