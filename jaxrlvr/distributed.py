@@ -274,7 +274,7 @@ def report_failure(error: BaseException) -> None:
         elif lost := sorted(set(range(n)) - answered):
             what = (
                 f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
-                f"(a collective failed: {_one_line(cause)[:120]}; no word from it in {grace:g} s)"
+                f"(a collective failed and it did not check in within {grace:g} s)"
             )
     print(
         f"jaxrlvr: error: process {me}: {what}; stopping this process (restart every process "
