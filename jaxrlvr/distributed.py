@@ -46,6 +46,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from typing import Any, Literal
 
 import jax
@@ -255,8 +256,8 @@ def report_failure(error: BaseException) -> None:
     seconds (at most 10) are named as lost. The answer must come before JAX's own verdict (at
     most ``heartbeat_timeout`` after the last heartbeat, earliest about half of it), which
     aborts the process from C++ with a multi-line message and leaves Python no time to speak.
-    Any other error is this process's own: its line names it, and the others report this
-    process as lost.
+    Any other error is this process's own: its line names it (after its traceback unless it is
+    a user's error, a ValueError or missing file), and the others report this process as lost.
     """
     cfg = _state["cfg"]
     if cfg is None or _state["finished"] or jax.process_count() == 1:
@@ -276,6 +277,8 @@ def report_failure(error: BaseException) -> None:
                 f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
                 f"(a collective failed and it did not check in within {grace:g} s)"
             )
+    elif not isinstance(error, (ValueError, FileNotFoundError)):  # a bug: keep its traceback
+        traceback.print_exception(error, file=sys.stderr)
     print(
         f"jaxrlvr: error: process {me}: {what}; stopping this process (restart every process "
         "with --resume to continue from the last checkpoint)",
@@ -394,6 +397,16 @@ def reduce_metrics(
 # vLLM in a multi-process job
 
 
+def host_weights(tree: Any) -> Any:
+    """``tree``'s arrays whole on this host (a collective with several processes: every process
+    calls it), e.g. to export sharded weights for a vLLM server; unchanged with one process."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 class ProcessSyncedSampler:
     """A vLLM sampler inside an N-process job: ``update_weights`` gathers the sharded weights to
     every host (a collective), pushes them (process 0 only when ``shared``: one server group for
@@ -412,7 +425,7 @@ class ProcessSyncedSampler:
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
         from jax.experimental import multihost_utils
 
-        host = multihost_utils.process_allgather(weights, tiled=True)
+        host = host_weights(weights)
         out: dict[str, float] = {}
         if not self.shared or jax.process_index() == 0:
             out = self.inner.update_weights(host, version=version)
