@@ -202,7 +202,7 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
             device=plan.device,
             gpus=gpus,
             gpu_memory_utilization=plan.gpu_memory_utilization
-            or vllm_server.DEFAULT_GPU_MEMORY_UTILIZATION,
+            or placement.DEFAULT_GPU_MEMORY_UTILIZATION,
             extra_args=s.vllm_extra_args,
             log_path=log_path,
             start=False,

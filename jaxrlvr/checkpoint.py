@@ -44,12 +44,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+# The one checkpoint error (defined with the model's weight I/O, which raises it too); named here
+# as ``checkpoint.CheckpointError`` for the driver and the CLI.
+from jaxrlvr.model.weights import CheckpointError
+
 _STATE = "state"
 _EXTRA = "extra"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message is one line."""
 
 
 def _log(msg: str) -> None:

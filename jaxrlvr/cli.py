@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxrlvr {command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError) as e:
-        # PreflightError, model ConfigError/CheckpointError, UnsafeBindError are ValueErrors.
+        # PreflightError, model ConfigError, UnsafeBindError are ValueErrors.
         print(f"jaxrlvr {command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,10 @@ GPUs than planned. GPU numbers in the config are positions in the GPUs visible w
 started (its ``CUDA_VISIBLE_DEVICES``, or all of the host's); the first `apply` records that list
 in ``JAXRLVR_HOST_GPUS`` so that a second call (and ``jaxrlvr serve-vllm``) numbers them the same.
 
+`plan_serve` plans ``jaxrlvr serve-vllm`` (servers only, no trainer) from its flags with the same
+rules. This module is the one place that decides devices, GPU groups, dtypes and memory fractions;
+``sampling.vllm_server`` and ``builders.build_sampler`` start what it planned.
+
 On the CPU, with the embedded JAX sampler, or with servers given by URL, the plan changes
 nothing. Not here: starting the servers (``builders.build_sampler``, ``sampling.vllm_server``).
 """
@@ -32,6 +36,12 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 HOST_GPUS_ENV = "JAXRLVR_HOST_GPUS"
+DEVICES = ("cpu", "cuda")
+# The servers' dtype when none is given: float32 on the CPU (logprobs match the trainer's float32
+# ones), bfloat16 on GPUs (what the tensor cores run; weights are exported in it too).
+DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
+# A server's share of each of its GPUs' memory when it has them to itself.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Defaults for one shared GPU (80 GB H100, Qwen2.5-1.5B): the trainer's fp32 master weights, Adam
 # moments, gradients and remat activations fit in half; vLLM's bf16 weights (3 GB), CUDA graphs
 # and a KV cache of ~15 GB (~500k tokens) in 0.35. The rest is for the CUDA contexts.
@@ -118,6 +128,14 @@ def jax_wants_cpu(environ: Mapping[str, str] | None = None) -> bool:
     return bool(platforms) and not any(p in platforms for p in ("cuda", "gpu", "rocm"))
 
 
+def resolve_device(device: str, host: Sequence[str], environ: Mapping[str, str] | None = None):
+    """ "cpu" or "cuda" for a ``device`` option: "auto" is "cuda" when the host has GPUs and
+    ``JAX_PLATFORMS`` does not pin JAX to the CPU."""
+    if device == "auto":
+        return "cuda" if host and not jax_wants_cpu(environ) else "cpu"
+    return device
+
+
 def split_groups(gpus: Sequence[Any], num_servers: int, key: str = "sampler.vllm_gpus"):
     """``gpus`` cut into ``num_servers`` equal consecutive groups, one tensor-parallel server
     each."""
@@ -149,11 +167,9 @@ def plan(
     """
     environ = os.environ if environ is None else environ
     s = sampler
-    dtype_for = lambda device: s.vllm_dtype if s.vllm_dtype != "auto" else _default_dtype(device)
+    dtype_for = lambda device: s.vllm_dtype if s.vllm_dtype != "auto" else DEFAULT_DTYPE[device]
     host = tuple(host_gpus(environ) if gpus is None else gpus)
-    device = s.vllm_device
-    if device == "auto":
-        device = "cuda" if host and not jax_wants_cpu(environ) else "cpu"
+    device = resolve_device(s.vllm_device, host, environ)
     if s.kind != "vllm" or s.vllm_urls:
         # No server of ours: nothing to place (a server given by URL runs where its owner put
         # it; its export dtype assumes it runs on this host's kind of device).
@@ -200,15 +216,51 @@ def plan(
         # The trainer on the CPU (JAX_PLATFORMS=cpu) with every GPU serving: hide them all.
         trainer_gpus=rest,
         memory_fraction=s.vllm_trainer_memory_fraction,
-        gpu_memory_utilization=s.vllm_gpu_memory_utilization or 0.9,
+        gpu_memory_utilization=s.vllm_gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         dtype=dtype_for("cuda"),
     )
 
 
-def _default_dtype(device: str) -> str:
-    from jaxrlvr.sampling import vllm_server
+def plan_serve(
+    *,
+    device: str,
+    gpus: Sequence[int],
+    num_servers: int,
+    gpu_memory_utilization: float,
+    dtype: str,
+    host: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+) -> Placement:
+    """The placement of ``jaxrlvr serve-vllm``'s servers for its flags (``--device``, ``--gpus``,
+    ``--num-servers``, ``--gpu-memory-utilization``, ``--dtype``) on a host with GPUs ``host``
+    (``CUDA_VISIBLE_DEVICES`` entries). On GPUs: ``gpus`` (default: the first ``num_servers``,
+    one each) in ``num_servers`` equal tensor-parallel groups; on the CPU one empty group per
+    server. No trainer: ``trainer_gpus`` is None.
 
-    return vllm_server.DEFAULT_DTYPE[device]
+    Raises:
+      ValueError: ``num_servers`` < 1, a GPU beyond the host's, or ``gpus`` on the CPU.
+    """
+    device = resolve_device(device, host, environ)
+    if num_servers < 1:
+        raise ValueError(f"--num-servers {num_servers}: must be >= 1")
+    groups: tuple[tuple[str, ...], ...] = ((),) * num_servers
+    if device == "cuda":
+        wanted = tuple(gpus) or tuple(range(num_servers))
+        bad = [g for g in wanted if not 0 <= g < len(host)]
+        if bad:
+            raise ValueError(
+                f"--gpus {','.join(map(str, wanted))}: GPU {bad[0]} does not exist "
+                f"({len(host)} visible)"
+            )
+        groups = split_groups([host[g] for g in wanted], num_servers, "--gpus")
+    elif gpus:
+        raise ValueError("--gpus needs --device cuda (or auto on a host with GPUs)")
+    return Placement(
+        device=device,
+        server_gpus=groups,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=DEFAULT_DTYPE[device] if dtype == "auto" else dtype,
+    )
 
 
 def apply(placement: Placement, environ: MutableMapping[str, str] | None = None) -> Placement:

@@ -55,8 +55,10 @@ _TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model it claims to be."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint that cannot be written or read, or does not match the model it claims to be:
+    a Hugging Face directory here, an orbax training checkpoint in ``jaxrlvr.checkpoint`` (which
+    raises this same class). The message is one line; the CLI exits with status 1."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,13 +44,10 @@ from collections.abc import Sequence
 
 import httpx
 
+from jaxrlvr import placement
+
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SERVED_MODEL_NAME = "jaxrlvr-policy"
-DEVICES = ("cpu", "cuda")
-# The server's dtype when none is given: float32 on the CPU (logprobs match the trainer's float32
-# ones), bfloat16 on GPUs (what the tensor cores run; weights are exported in it too).
-DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 # Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
 # also means they outlive an interpreter that exits without stopping them; stop them at exit.
@@ -200,7 +197,7 @@ class VLLMServer:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         device: str = "cpu",
         gpus: Sequence[int | str] = (),
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        gpu_memory_utilization: float = placement.DEFAULT_GPU_MEMORY_UTILIZATION,
         tokenizer: str | os.PathLike | None = None,
         extra_args: Sequence[str] = (),
         log_path: str | os.PathLike | None = None,
@@ -214,8 +211,8 @@ class VLLMServer:
             key="VLLMServer: host",
             allow_flag="allow_remote_dev_endpoints=True",
         )
-        if device not in DEVICES:
-            raise ValueError(f"VLLMServer: device={device!r}; expected one of {DEVICES}")
+        if device not in placement.DEVICES:
+            raise ValueError(f"VLLMServer: device={device!r}; expected one of {placement.DEVICES}")
         if gpus and device != "cuda":
             raise ValueError(f"VLLMServer: gpus={list(gpus)!r} needs device='cuda'")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -230,7 +227,7 @@ class VLLMServer:
         self.host = host
         self.port = port or pick_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
         self.max_model_len = max_model_len
-        self.dtype = dtype or DEFAULT_DTYPE[device]
+        self.dtype = dtype or placement.DEFAULT_DTYPE[device]
         self.kv_cache_bytes = kv_cache_bytes
         self.tokenizer = os.fspath(tokenizer) if tokenizer is not None else self.model_dir
         self.extra_args = tuple(extra_args)
@@ -458,8 +455,6 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     Flags this command does not know go to every api_server (``sampler.vllm_extra_args``).
     Blocks until Ctrl-C (returns 0) or until a server dies (returns 1).
     """
-    from jaxrlvr import placement
-
     parser = argparse.ArgumentParser(
         prog="jaxrlvr serve-vllm",
         description="Start vLLM's OpenAI-compatible server(s) with the flags jaxrlvr's weight sync "
@@ -499,7 +494,7 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        default=placement.DEFAULT_GPU_MEMORY_UTILIZATION,
         help="fraction of each GPU's memory a server takes (GPU only)",
     )
     parser.add_argument(
@@ -549,28 +544,17 @@ def plan_servers(
     args: argparse.Namespace, extra: Sequence[str], host_gpus: Sequence[str]
 ) -> list[VLLMServer]:
     """The (unstarted) servers ``serve-vllm`` runs for its parsed flags on a host with
-    ``host_gpus`` (``CUDA_VISIBLE_DEVICES`` entries)."""
-    from jaxrlvr import placement
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if host_gpus and not placement.jax_wants_cpu() else "cpu"
-    if args.num_servers < 1:
-        raise ValueError(f"--num-servers {args.num_servers}: must be >= 1")
-    groups: tuple[tuple[str, ...], ...] = ((),) * args.num_servers
-    if device == "cuda":
-        wanted = tuple(args.gpus) or tuple(range(args.num_servers))
-        bad = [g for g in wanted if not 0 <= g < len(host_gpus)]
-        if bad:
-            raise ValueError(
-                f"--gpus {','.join(map(str, wanted))}: GPU {bad[0]} does not exist "
-                f"({len(host_gpus)} visible)"
-            )
-        groups = placement.split_groups([host_gpus[g] for g in wanted], args.num_servers, "--gpus")
-    elif args.gpus:
-        raise ValueError("--gpus needs --device cuda (or auto on a host with GPUs)")
+    ``host_gpus`` (``CUDA_VISIBLE_DEVICES`` entries), as ``placement.plan_serve`` places them."""
+    plan = placement.plan_serve(
+        device=args.device,
+        gpus=args.gpus,
+        num_servers=args.num_servers,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        host=host_gpus,
+    )
     servers = []
-    for i, gpus in enumerate(groups):
+    for i, gpus in enumerate(plan.server_gpus):
         log = args.log if args.log is None or i == 0 else f"{args.log}.{i}"
         servers.append(
             VLLMServer(
@@ -579,11 +563,11 @@ def plan_servers(
                 host=args.host,
                 port=args.port + i if args.port else 0,
                 max_model_len=args.max_model_len,
-                dtype=None if args.dtype == "auto" else args.dtype,
+                dtype=plan.dtype,
                 kv_cache_bytes=args.kv_cache_bytes,
-                device=device,
+                device=plan.device,
                 gpus=gpus,
-                gpu_memory_utilization=args.gpu_memory_utilization,
+                gpu_memory_utilization=plan.gpu_memory_utilization,
                 extra_args=extra,
                 log_path=log,
                 allow_remote_dev_endpoints=args.allow_remote_dev_endpoints,

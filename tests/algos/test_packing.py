@@ -151,7 +151,7 @@ def test_ppo_gae_packed_equals_padded(model, kl_in):
 def test_sft_and_expert_iteration_packed_equal_padded(model, kind):
     cfg, graphdef, params0, params1 = model
     sft_cfg = sft.SFTUpdateConfig(normalize_constant=8.0, num_microbatches=2)
-    algo = getattr(algorithm, kind)(graphdef, SGD, sft_cfg)
+    algo = getattr(sft, f"{kind}_algorithm")(graphdef, SGD, sft_cfg)
     padded, packed = _both(cfg.vocab_size)
     _assert_same(_step(algo, params0, params1, padded), _step(algo, params0, params1, packed))
 

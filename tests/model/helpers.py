@@ -10,17 +10,25 @@ import pathlib
 
 import numpy as np
 
-TINY_HF = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-)
+from jaxrlvr.model import config as model_config
+
+# The tiny preset's shape (``ModelConfig.tiny``, 256 positions) as transformers Qwen2Config
+# arguments; ``make_torch_model`` sets the tying.
+_TINY = model_config.ModelConfig.tiny(max_position_embeddings=256)
+TINY_HF = {
+    key: getattr(_TINY, key)
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rope_theta",
+        "rms_norm_eps",
+    )
+}
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 

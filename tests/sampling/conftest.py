@@ -46,21 +46,18 @@ def make_tokenizer(directory: pathlib.Path):
 
 
 def tiny_hf_config(**overrides):
+    """The transformers config of the tiny preset at head_dim 32, untied (``ModelConfig.tiny``)."""
     import transformers
 
-    kw = dict(
+    from jaxrlvr import model as jmodel
+
+    cfg = jmodel.ModelConfig.tiny(
         vocab_size=TINY_VOCAB,
         hidden_size=128,  # head_dim 32: the smallest vLLM-CPU attention supports
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
-        torch_dtype="float32",
-        eos_token_id=0,
-        bos_token_id=0,
     )
+    kw = cfg.to_hf_config()
+    kw.update(torch_dtype="float32", eos_token_id=0, bos_token_id=0)
     kw.update(overrides)
     return transformers.Qwen2Config(**kw)
 
@@ -89,14 +86,11 @@ def make_hf_checkpoint(directory: pathlib.Path, seed: int = 0):
 def tiny_model_config():
     from jaxrlvr import model as jmodel
 
-    return jmodel.ModelConfig(
+    return jmodel.ModelConfig.tiny(
         vocab_size=TINY_VOCAB,
         hidden_size=128,  # head_dim 32: the smallest head size vLLM's CPU attention supports
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
 
 

@@ -29,17 +29,10 @@ PROMPTS = [[5, 17, 42, 7, 99, 3], [11, 250, 8], [201, 2, 64, 64, 1, 9, 45, 23, 7
 def ckpt(tmp_path_factory, helpers):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     tok = helpers.make_tokenizer(path)
+    # The vocabulary of the tokenizer: every id decodes to text.
+    tiny = M.ModelConfig.tiny(vocab_size=len(tok), tie_word_embeddings=False)
     config = transformers.Qwen2Config(
-        vocab_size=len(tok),  # every id decodes to text
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
+        **tiny.to_hf_config(), eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id
     )
     torch.manual_seed(0)
     hf_model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
