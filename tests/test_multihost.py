@@ -275,6 +275,7 @@ def test_lost_process_is_reported_in_one_line_within_the_heartbeat_timeout(kille
     _, rc, err, seconds = killed
     assert rc == 1, err[-3000:]
     # The roll call waits HEARTBEAT / 4 s; JAX's own verdict would come later, and kill.
+    print(f"process 0 stopped {seconds:.1f} s after process 1's SIGKILL")  # shown with -s
     assert seconds < HEARTBEAT, f"process 0 took {seconds:.1f} s to stop"
     lines = [x for x in err.strip().splitlines() if x.startswith("jaxrlvr:")]
     assert len(lines) == 1, err[-3000:]
@@ -323,6 +324,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(preempted):
         assert len(found) == 1, text[-3000:]
         steps += map(int, found)
     assert steps[0] == steps[1], steps
+    print(f"both processes stopped after step {steps[0]}")  # shown with -s
     step, _ = final_params(run_dir)
     assert step == steps[0] and 1 <= step < 3, (step, steps)  # a mid-run stop
     assert [x["step"] for x in metric_lines(run_dir)] == list(range(step + 1))
