@@ -8,10 +8,10 @@ id come from (``from_flags``; the first that gives a value wins):
 
 1. the flags ``--coordinator HOST:PORT --num-processes N --process-id I``;
 2. the env vars ``JAXRLVR_COORDINATOR``, ``JAXRLVR_NUM_PROCESSES``, ``JAXRLVR_PROCESS_ID``;
-3. the cluster: a SLURM job step of several tasks (``srun``: ``SLURM_PROCID``,
-   ``SLURM_STEP_NUM_TASKS``, the step's first node, port ``JAXRLVR_PORT`` or one derived from
-   ``SLURM_JOB_ID``); in a Kubernetes indexed Job or JobSet pod the process id is
-   ``JOB_COMPLETION_INDEX`` (coordinator and count come from 1 or 2);
+3. the cluster (unless ``JAXRLVR_DISTRIBUTED=off``): a SLURM job step of several tasks
+   (``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, the step's first node, port
+   ``JAXRLVR_PORT`` or one derived from ``SLURM_JOB_ID``); in a Kubernetes indexed Job or JobSet
+   pod the process id is ``JOB_COMPLETION_INDEX`` (coordinator and count come from 1 or 2);
 4. the config's ``distributed:`` section.
 
 ``--distributed-auto`` (``JAXRLVR_DISTRIBUTED=auto``) instead leaves everything to JAX's own
@@ -153,7 +153,10 @@ def from_flags(
         "num_processes": pick(num_processes, ENV_NUM_PROCESSES, int),
         "process_id": pick(process_id, ENV_PROCESS_ID, int),
     }
-    cluster, detected, hosts = _cluster(env, explicit=any(v is not None for v in given.values()))
+    explicit = any(v is not None for v in given.values())
+    if env_auto in ("0", "off") and not explicit:  # no cluster detection either
+        return cfg
+    cluster, detected, hosts = _cluster(env, explicit=explicit)
     given = {k: detected.get(k) if v is None else v for k, v in given.items()}
     given = {k: v for k, v in given.items() if v is not None}
     if not given:

@@ -161,6 +161,7 @@ def test_slurm_step_is_detected():
     # JAXRLVR_PORT, env vars and flags win over what SLURM says
     cfg = distributed.from_flags(base, process_id=3, environ={**SLURM, "JAXRLVR_PORT": "999"})
     assert (cfg.coordinator_address, cfg.process_id) == ("gpu007:999", 3)
+    assert distributed.from_flags(base, environ={**SLURM, "JAXRLVR_DISTRIBUTED": "off"}) == base
     # One task (an sbatch script, `srun -n1`): one process
     assert distributed.from_flags(base, environ={**SLURM, "SLURM_STEP_NUM_TASKS": "1"}) == base
     assert [
