@@ -59,7 +59,7 @@ def shaping_config(
         drop_zero_variance_groups=rl.drop_zero_variance_groups,
         packing=rl.packing,
         max_tokens_per_row=rl.max_tokens_per_row,
-        # With a token budget (microbatches 1) ``Trainer.fit_budget`` sets the final row count.
+        # With a token budget (microbatches 1) ``RLPhase.fit_budget`` sets the final row count.
         row_multiple=rl.microbatches * shards,
     )
 
