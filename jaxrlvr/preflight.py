@@ -28,6 +28,7 @@ import time
 from typing import Literal
 
 from jaxrlvr import config as config_lib
+from jaxrlvr import configlib
 
 Mode = Literal["train", "eval", "export"]
 MODES = ("train", "eval", "export")
@@ -257,6 +258,74 @@ def move_run_aside(out_dir: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# --resume against the run's config
+
+# Keys whose change makes the run's checkpoints another run's: the model (shapes, dtypes, layer
+# layout), the method, and what the train state holds for it (PPO's critic, the KL reference copy
+# that exists only with kl_coef > 0). Prefixes end with a dot.
+STATE_KEYS = ("model.", "rl.algo", "rl.ppo.", "rl.loss.kl_coef")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(key, old value, new value) for every dotted key that differs between two config dicts."""
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    changes = []
+    for key in sorted(a.keys() | b.keys()):
+        x, y = a.get(key, missing), b.get(key, missing)
+        if x != y:
+            changes.append((key, None if x is missing else x, None if y is missing else y))
+    return changes
+
+
+def _changes_text(changes) -> str:
+    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
+
+
+def check_resume_config(cfg: config_lib.TrainConfig) -> list[tuple[str, object, object]]:
+    """``--resume`` with a config that no longer describes the run: the keys that change the
+    checkpointed state or the method are refused in one line (old -> new); the others (steps,
+    evaluation, logging, learning rate, ...) are allowed, reported in one line, and returned.
+    Without a saved ``config.yaml`` (nothing run yet) there is nothing to compare."""
+    import yaml
+
+    path = os.path.join(cfg.run.out_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            old = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise PreflightError(f"--resume: cannot read the run's {path}: {e}") from None
+    try:  # the saved keys over this version's defaults, as the run would build them today
+        old = config_lib.config_to_dict(configlib.build(config_lib.TrainConfig, old))
+        changes = config_changes(old, config_lib.config_to_dict(cfg))
+    except (TypeError, ValueError):  # written by another version: compare the keys it has
+        keys = _flatten(old).keys()
+        changes = [c for c in config_changes(old, config_lib.config_to_dict(cfg)) if c[0] in keys]
+    refused = [c for c in changes if any(c[0].startswith(k) for k in STATE_KEYS)]
+    if refused:
+        raise PreflightError(
+            f"--resume: the config differs from the run's {path} in keys that change the "
+            f"checkpointed state or the method: {_changes_text(refused)}; resume with the run's "
+            "values, or start a new run (another run.out_dir, or --overwrite)"
+        )
+    if changes:
+        log(f"--resume: continuing with config changes from {path}: {_changes_text(changes)}")
+    return changes
+
+
+# ----------------------------------------------------------------------------------------------
 # A whole command
 
 
@@ -336,4 +405,6 @@ def check(
         cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(m, path=model_path, tokenizer=tokenizer)
         )
+    if mode == "train" and resume:  # against the saved config, which holds the resolved paths
+        check_resume_config(cfg)
     return cfg

@@ -153,15 +153,79 @@ def test_checkpoint_error_is_one_line_with_status_1(capsys, monkeypatch):
     )
 
 
-def test_preflight_error_from_train_is_one_line(capsys, monkeypatch):
+def test_preflight_error_from_train_is_one_line(capsys, monkeypatch, tmp_path):
     from jaxrlvr import preflight, train
 
     def run(cfg, *, resume=False, overwrite=False):
         preflight.check(cfg)
 
     monkeypatch.setattr(train, "run", run)
-    code, _, err = _main(capsys, "train", DEMO, "data.train=data/MATH/train.jsonl")
+    # A run directory of the test's own: the demo (README's first command) leaves runs/demo in the
+    # checkout, and the run-directory check would answer first.
+    out = f"run.out_dir={tmp_path / 'run'}"
+    code, _, err = _main(capsys, "train", DEMO, out, "data.train=data/MATH/train.jsonl")
     assert (code, err) == (
         2,
         "jaxrlvr train: error: data.train='data/MATH/train.jsonl': file not found\n",
+    )
+
+
+def _saved_run(tmp_path, *overrides):
+    """A run directory as train leaves it after a step: its config.yaml and a metrics line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config_lib.load_config(DEMO, [f"run.out_dir={run}", *overrides])
+    (run / "config.yaml").write_text(yaml.safe_dump(config_lib.config_to_dict(cfg)))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run
+
+
+def _snapshot(path):
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(path.rglob("*"))}
+
+
+def test_resume_with_another_model_or_method_names_the_keys(capsys, tmp_path):
+    """--resume compares the config with the run's config.yaml before anything starts: a change
+    of the model's shape or of the method is refused in one line listing the keys (old -> new),
+    and the run directory is left exactly as it was."""
+    run = _saved_run(tmp_path, "model.hidden_size=64", "rl.algo=grpo")
+    before = _snapshot(run)
+    code, out, err = _main(
+        capsys,
+        "train",
+        DEMO,
+        f"run.out_dir={run}",
+        "model.hidden_size=128",
+        "rl.algo=ppo",
+        "rl.steps=7",
+        "--resume",
+    )
+    assert (code, out) == (2, "")
+    assert err == (
+        f"jaxrlvr train: error: --resume: the config differs from the run's {run}/config.yaml in "
+        "keys that change the checkpointed state or the method: model.hidden_size: 64 -> 128, "
+        "rl.algo: 'grpo' -> 'ppo'; resume with the run's values, or start a new run (another "
+        "run.out_dir, or --overwrite)\n"
+    )
+    assert _snapshot(run) == before
+
+
+def test_resume_reports_harmless_config_changes(tmp_path, capsys):
+    from jaxrlvr import preflight
+
+    run = _saved_run(tmp_path, "rl.steps=5", "eval.every=5")
+    cfg = config_lib.load_config(
+        DEMO, [f"run.out_dir={run}", "rl.steps=9", "eval.every=3", "optim.learning_rate=3e-5"]
+    )
+    old_lr = config_lib.load_config(DEMO).optim.learning_rate
+    assert old_lr != 3e-5
+    assert preflight.check(cfg, resume=True) is cfg
+    assert preflight.check_resume_config(cfg) == [
+        ("eval.every", 5, 3),
+        ("optim.learning_rate", old_lr, 3e-5),
+        ("rl.steps", 5, 9),
+    ]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"[jaxrlvr] --resume: continuing with config changes from {run}/config.yaml: "
+        f"eval.every: 5 -> 3, optim.learning_rate: {old_lr!r} -> 3e-05, rl.steps: 5 -> 9"
     )
