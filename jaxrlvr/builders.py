@@ -324,6 +324,42 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
     return n, shards.owned(n, block, blocks)
 
 
+def check_lengths(
+    cfg: config_lib.TrainConfig,
+    tokenizer,
+    max_positions: int,
+    splits: dict[str, list[loading.Problem]],
+) -> None:
+    """One-line config error, before any compute, unless the longest rendered prompt of each
+    split (``{"data.train": ..., "data.eval": ...}``) plus the tokens the sampler may add fits the
+    model's positions and, for vLLM, ``sampler.vllm_max_model_len`` (past them the JAX sampler
+    would have no position left and vLLM would refuse the request mid-run)."""
+    s = cfg.sampler
+    budgets = {"data.train": ("sampler.max_tokens", s.max_tokens)}
+    budgets["data.eval"] = (
+        ("sampler.eval_max_tokens", s.eval_max_tokens)
+        if s.eval_max_tokens
+        else ("sampler.max_tokens", s.max_tokens)
+    )
+    limits = [("the model's max_position_embeddings", max_positions)]
+    if s.kind == "vllm":
+        limits.append(("sampler.vllm_max_model_len", s.vllm_max_model_len))
+    for split, problems in splits.items():
+        if not problems:
+            continue
+        lengths = [len(encode(tokenizer, render(cfg, p, tokenizer))) for p in problems]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        key, new_tokens = budgets[split]
+        for what, limit in limits:
+            if lengths[i] + new_tokens > limit:
+                raise configlib.ConfigKeyError(
+                    f"{key}={new_tokens}: the longest rendered prompt of {split} "
+                    f"(problem {problems[i].id!r}, {lengths[i]} tokens) plus {new_tokens} new "
+                    f"tokens is {lengths[i] + new_tokens}, more than {what}={limit}; lower {key} "
+                    f"or drop the longest prompts"
+                )
+
+
 def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
     """(the reward function of ``reward.fn``, the grading pool that runs it time-bounded).
 

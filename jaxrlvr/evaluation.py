@@ -78,6 +78,9 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
         step, model = export.restore_policy(cfg, run_dir, mesh, tokenizer)
         log(f"evaluating checkpoint step {step} of {run_dir}")
     _, problems = builders.load_splits(cfg, train=False)
+    positions = model.config.max_position_embeddings
+    held_out = problems[: cfg.eval.max_problems]
+    builders.check_lengths(cfg, tokenizer, positions, {"data.eval": held_out})
     reward_fn, pool = builders.build_grader(cfg)
     sampler = None
     try:

@@ -88,9 +88,15 @@ class Trainer:
         mesh = model_lib.make_mesh(cfg.mesh, builders.device_split(cfg)[0])
         builders.check_microbatches_fit_mesh(cfg, mesh)
         tokenizer = builders.build_tokenizer(cfg)
+        train_problems, eval_problems = builders.load_splits(cfg)
+        # Every prompt fits the model before any weight is loaded or step compiled.
+        positions = builders.model_config(cfg, tokenizer).max_position_embeddings
+        trained = train_problems if any(p.samples_train_prompts for p in phases.plan(cfg)) else []
+        held_out = eval_problems[: cfg.eval.max_problems]
+        splits = {"data.train": trained, "data.eval": held_out}
+        builders.check_lengths(cfg, tokenizer, positions, splits)
         model = builders.build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model, nnx.Param)
-        train_problems, eval_problems = builders.load_splits(cfg)
         # Multi-process: this process keeps only the training rows of its data shards.
         num_shards, owned = builders.data_shards(cfg, mesh)
         split = shards.split(train_problems, num_shards, cfg.run.seed)

@@ -229,3 +229,34 @@ def test_resume_reports_harmless_config_changes(tmp_path, capsys):
         f"[jaxrlvr] --resume: continuing with config changes from {run}/config.yaml: "
         f"eval.every: 5 -> 3, optim.learning_rate: {old_lr!r} -> 3e-05, rl.steps: 5 -> 9"
     )
+
+
+def test_prompts_longer_than_the_model_are_refused_before_any_compute(tmp_path):
+    """Prompts plus sampler.max_tokens past the model's positions: one line naming the key, the
+    split, the longest problem and both numbers, exit 2, and no run file written (the check runs
+    before the model is built or a step compiled)."""
+    run = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, like a user's laptop
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrlvr.cli", "train", DEMO, f"run.out_dir={run}"]
+        + ["sampler.max_tokens=60", "rl.steps=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith(
+        "jaxrlvr train: config error: sampler.max_tokens=60: the longest rendered prompt of "
+        "data.train "
+        "(problem "
+    )
+    assert "plus 60 new tokens is" in err
+    assert err.endswith(
+        "more than the model's max_position_embeddings=64; lower sampler.max_tokens or drop the "
+        "longest prompts\n"
+    )
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()

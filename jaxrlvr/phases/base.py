@@ -110,6 +110,9 @@ class Phase:
 
     name: ClassVar[str]
     algorithm_phase: ClassVar[str]
+    # Whether the phase samples completions of the training prompts (their lengths are checked
+    # against the model's positions before the run starts).
+    samples_train_prompts: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

@@ -67,6 +67,7 @@ def shaping_config(
 class RLPhase(base.Phase):
     name = "rl"
     algorithm_phase = "rl"
+    samples_train_prompts = True
 
     def __init__(self, ctx: base.RunContext):
         super().__init__(ctx)
