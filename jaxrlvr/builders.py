@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, placement
+from jaxrlvr import configlib, distributed, placement, preflight
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import code_loading, loading, scratchpad, shards, synthetic, templates
@@ -194,7 +194,7 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     servers = [
         vllm_server.VLLMServer(
             model_dir,
-            python=s.vllm_python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable,
+            python=preflight.vllm_interpreter(s)[0],
             host=s.vllm_host,
             allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
             max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),

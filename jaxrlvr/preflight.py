@@ -258,6 +258,84 @@ def move_run_aside(out_dir: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# What the sampler will need
+
+
+def vllm_interpreter(sampler: config_lib.SamplerSection) -> tuple[str, str]:
+    """(the Python that runs the vLLM servers, the key or variable that chose it): the same rule
+    as ``builders.build_sampler``."""
+    if sampler.vllm_python:
+        return sampler.vllm_python, "sampler.vllm_python"
+    if os.environ.get("JAXRLVR_VLLM_PYTHON"):
+        return os.environ["JAXRLVR_VLLM_PYTHON"], "JAXRLVR_VLLM_PYTHON"
+    return sys.executable, "sampler.vllm_python (unset: this interpreter)"
+
+
+def check_vllm_python(python: str, key: str) -> None:
+    """The interpreter exists, runs, and can import vllm (a spec lookup: no vLLM import)."""
+    import shutil
+    import subprocess
+
+    found = shutil.which(python) if os.sep not in python else python
+    if found is None or not os.path.isfile(found):
+        raise PreflightError(f"{key}={python!r}: no such interpreter (scripts/setup_vllm.sh)")
+    if not os.access(found, os.X_OK):
+        raise PreflightError(f"{key}={python!r}: not executable")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        proc = subprocess.run([found, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PreflightError(f"{key}={python!r}: does not run ({e})") from None
+    if proc.returncode != 0:
+        raise PreflightError(
+            f"{key}={python!r}: cannot import vllm (install it with scripts/setup_vllm.sh)"
+        )
+
+
+def check_vllm_url(url: str, timeout_s: float = 5.0) -> None:
+    """A given server answers ``/health``."""
+    import httpx
+
+    try:
+        response = httpx.get(url.rstrip("/") + "/health", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise PreflightError(
+            f"sampler.vllm_urls: {url} is not reachable ({type(e).__name__}: {e})"
+        ) from None
+    if response.status_code != 200:
+        raise PreflightError(f"sampler.vllm_urls: {url}/health answered {response.status_code}")
+
+
+def check_bind_address(host: str) -> None:
+    """``sampler.vllm_host`` is an address of this machine that a server can listen on."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind(address)
+    except OSError as e:
+        raise PreflightError(
+            f"sampler.vllm_host={host!r}: a server cannot listen there ({e.strerror or e})"
+        ) from None
+
+
+def check_sampler(cfg: config_lib.TrainConfig) -> None:
+    """What the chosen sampler needs: for vLLM, the servers' interpreter with vllm (servers this
+    run starts) and an address to listen on, or the given servers answering."""
+    s = cfg.sampler
+    if s.kind != "vllm":
+        return
+    if s.vllm_urls:
+        for url in s.vllm_urls:
+            check_vllm_url(url)
+        return
+    check_vllm_python(*vllm_interpreter(s))
+    check_bind_address(s.vllm_host)
+
+
+# ----------------------------------------------------------------------------------------------
 # --resume against the run's config
 
 # Keys whose change makes the run's checkpoints another run's: the model (shapes, dtypes, layer
@@ -396,6 +474,9 @@ def check(
         if cfg.pref.data is None:
             raise PreflightError(f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)")
         check_data_file(cfg.pref.data, "pref.data")
+
+    if mode in ("train", "eval"):
+        check_sampler(cfg)
 
     if mode == "train" and overwrite and existing_run(cfg.run.out_dir):
         moved = move_run_aside(cfg.run.out_dir)

@@ -260,3 +260,44 @@ def test_prompts_longer_than_the_model_are_refused_before_any_compute(tmp_path):
         "longest prompts\n"
     )
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["sampler.vllm_python=/nonexistent/bin/python"],
+            "sampler.vllm_python='/nonexistent/bin/python': no such interpreter "
+            "(scripts/setup_vllm.sh)",
+        ),
+        (
+            [f"sampler.vllm_python={sys.executable}"],  # the test environment has no vllm
+            f"sampler.vllm_python={sys.executable!r}: cannot import vllm (install it with "
+            "scripts/setup_vllm.sh)",
+        ),
+        (
+            ["sampler.vllm_urls=[http://127.0.0.1:9]"],  # the discard port: nothing listens
+            "sampler.vllm_urls: http://127.0.0.1:9 is not reachable (ConnectError: ",
+        ),
+        (
+            # TEST-NET-1: never an address of this machine
+            ["sampler.vllm_host=192.0.2.1", "sampler.vllm_allow_remote_dev_endpoints=true"],
+            "sampler.vllm_host='192.0.2.1': a server cannot listen there (",
+        ),
+    ],
+)
+def test_what_the_vllm_sampler_needs_is_checked_before_any_compute(
+    capsys, monkeypatch, tmp_path, overrides, line
+):
+    """A vLLM interpreter that does not exist or lacks vllm, servers that do not answer, an
+    address nothing can listen on: one line at the start (exit 2), not after the SFT warm
+    start; nothing is written to the run directory."""
+    if "vllm_host" in overrides[0]:  # this case is about the address: any interpreter passes
+        monkeypatch.setattr("jaxrlvr.preflight.check_vllm_python", lambda python, key: None)
+    run = tmp_path / "run"
+    code, out, err = _main(
+        capsys, "train", DEMO, f"run.out_dir={run}", "sampler.kind=vllm", *overrides
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith(f"jaxrlvr train: error: {line}") and err.count("\n") == 1, err
+    assert not run.exists() or not any(run.iterdir())
