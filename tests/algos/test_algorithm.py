@@ -279,3 +279,25 @@ def test_compiled_equals_uncompiled_and_compiles_once(setup):
     assert compiled._prepare._cache_size() == 1
     assert compiled._update._cache_size() == 1
     assert jax.tree.map(lambda x: x.sharding, state) == shardings
+
+
+def test_package_exports_the_records_factories_and_compiled_path():
+    """``jaxrlvr.algos`` exports every record factory, ``Algorithm`` and ``CompiledAlgorithm``
+    (and every name it lists exists); each factory makes an ``Algorithm``."""
+    from jaxrlvr import algos
+
+    assert all(hasattr(algos, name) for name in algos.__all__)
+    factories = [
+        "sft_algorithm",
+        "expert_iteration_algorithm",
+        "grpo_algorithm",
+        "ppo_algorithm",
+        "preference_algorithm",
+    ]
+    assert {"Algorithm", "CompiledAlgorithm", "per_instance_dpo_loss", *factories} <= set(
+        algos.__all__
+    )
+    assert "jit_update" not in dir(algos) and not any("_update" in n for n in algos.__all__)
+    graphdef, params = nnx.split(M.init_model(M.ModelConfig.tiny(), seed=0), nnx.Param)
+    for name in factories:
+        assert isinstance(getattr(algos, name)(graphdef, optax.sgd(0.1)), algos.Algorithm)

@@ -273,7 +273,7 @@ def test_ppo_separate_critic_and_policy_each_get_only_their_own_loss():
         v = hidden @ vp["head"]["kernel"] + vp["head"]["bias"]
         v_clip = live.old_values + jnp.clip(v - live.old_values, -0.2, 0.2)
         err = jnp.maximum(jnp.square(v - returns), jnp.square(v_clip - returns))
-        return ppo.vf_coef * jnp.sum(0.5 * err * mask) / jnp.sum(mask)
+        return ppo_cfg.vf_coef * jnp.sum(0.5 * err * mask) / jnp.sum(mask)
 
     want = jax.jit(jax.grad(value_loss))(vp)
     got = jax.tree.map(lambda old, new: old - new, state.value_params, new.value_params)
