@@ -106,8 +106,9 @@ def load_splits(
     if d.train == "synthetic_code" or d.code_layout is not None:
         return code_loading.load_splits(d, cfg.run.seed, train=train)
 
-    def load(path, split):
+    def load(path, split, key):
         data_cfg = loading.DataConfig(
+            key=key,
             path=path,
             split=split,
             question_field=d.question_field,
@@ -122,8 +123,8 @@ def load_splits(
             raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
         return problems
 
-    train_problems = load(d.train, d.split) if train else []
-    held_out = load(d.eval, d.eval_split) if d.eval else []
+    train_problems = load(d.train, d.split, "data.train") if train else []
+    held_out = load(d.eval, d.eval_split, "data.eval") if d.eval else []
     return train_problems, held_out
 
 

@@ -171,10 +171,14 @@ def is_local_data(value: str) -> bool:
     return os.sep in value or "/" in value or value.endswith(DATA_SUFFIXES)
 
 
-def check_data_file(value: str, key: str) -> None:
-    """A local jsonl/json/parquet data file must exist (hub dataset names are not checked)."""
+def check_data_file(value: str, key: str, on_bad_row: str = "skip") -> int:
+    """A local jsonl/json/parquet data file must exist (hub dataset names are not checked); a
+    json one must hold rows, each line a JSON object (``data.on_bad_row=raise``) or the
+    malformed lines reported as skipped. Returns the number of rows of a json file (else 0)."""
+    from jaxrlvr.data import loading
+
     if not is_local_data(value):
-        return
+        return 0
     if os.path.isdir(value):
         raise PreflightError(f"{key}={value!r}: is a directory, expected a jsonl/json/parquet file")
     if not os.path.isfile(value):
@@ -183,6 +187,38 @@ def check_data_file(value: str, key: str) -> None:
         raise PreflightError(
             f"{key}={value!r}: unknown data format (expected {', '.join(DATA_SUFFIXES)})"
         )
+    if value.endswith(".parquet"):
+        return 0
+    try:
+        rows, skipped = loading.read_json_rows(value, on_bad_row=on_bad_row, key=key)
+    except loading.DataFileError as e:
+        raise PreflightError(str(e)) from None
+    if skipped:
+        lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        log(f"{key}={value!r}: skipping {len(skipped)} malformed lines (line {lines})")
+    return len(rows)
+
+
+def check_batch_rows(rows: int, needed: int, key: str, size_key: str) -> None:
+    """A file of ``rows`` rows (0: unknown, not a json file) fills one batch of ``needed``."""
+    if 0 < rows < needed:
+        raise PreflightError(
+            f"{key}: {rows} rows, fewer than one batch of {size_key}={needed}; add rows or "
+            f"lower {size_key}"
+        )
+
+
+def check_rows(cfg: config_lib.TrainConfig, rows: dict[str, int]) -> None:
+    """Each data file (``rows``: its rows by key) fills one step's batch of the phases that
+    read it."""
+    train = rows.get("data.train", 0)
+    if cfg.rl.algo not in ("none", *config_lib.PREFERENCE_ALGOS) and cfg.rl.steps > 0:
+        per_step = cfg.rl.prompts_per_step * (2 if cfg.rl.difficulty_filter else 1)
+        check_batch_rows(train, per_step, "data.train", "rl.prompts_per_step")
+    if cfg.sft.data == "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
+        check_batch_rows(train, cfg.sft.batch_size, "data.train", "sft.batch_size")
+    check_batch_rows(rows.get("sft.data", 0), cfg.sft.batch_size, "sft.data", "sft.batch_size")
+    check_batch_rows(rows.get("pref.data", 0), cfg.pref.batch_size, "pref.data", "pref.batch_size")
 
 
 def complete_steps(checkpoint_dir: str) -> list[int]:
@@ -464,16 +500,19 @@ def check(
         check_tokenizer_dir(model_path, "model.path (its tokenizer)")
 
     d = cfg.data
+    rows = {}  # rows of each json data file, checked against the batch sizes once all exist
     if d.train not in config_lib.GENERATED_TASKS:
-        check_data_file(d.train, "data.train")
+        rows["data.train"] = check_data_file(d.train, "data.train", d.on_bad_row)
     if d.eval is not None:
-        check_data_file(d.eval, "data.eval")
+        check_data_file(d.eval, "data.eval", d.on_bad_row)
     if mode == "train" and cfg.sft.data != "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
-        check_data_file(cfg.sft.data, "sft.data")
+        rows["sft.data"] = check_data_file(cfg.sft.data, "sft.data", d.on_bad_row)
     if mode == "train" and cfg.rl.algo in config_lib.PREFERENCE_ALGOS and cfg.rl.steps > 0:
         if cfg.pref.data is None:
             raise PreflightError(f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)")
-        check_data_file(cfg.pref.data, "pref.data")
+        rows["pref.data"] = check_data_file(cfg.pref.data, "pref.data", d.on_bad_row)
+    if mode == "train":
+        check_rows(cfg, rows)
 
     if mode in ("train", "eval"):
         check_sampler(cfg)

@@ -301,3 +301,78 @@ def test_what_the_vllm_sampler_needs_is_checked_before_any_compute(
     assert (code, out) == (2, "")
     assert err.startswith(f"jaxrlvr train: error: {line}") and err.count("\n") == 1, err
     assert not run.exists() or not any(run.iterdir())
+
+
+def _problems_file(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = '{"problem": "1 + 1 = ?", "answer": "2"}'
+
+
+@pytest.mark.parametrize(
+    "lines, overrides, line",
+    [
+        (
+            [GOOD, GOOD, '{"problem": "2 + 2 = ?", "answer": 4', GOOD],
+            ["data.on_bad_row=raise"],
+            "line 3 is not JSON (Expecting ',' delimiter) (data.on_bad_row=raise)",
+        ),
+        (
+            [GOOD, "[1, 2]", GOOD],
+            ["data.on_bad_row=raise"],
+            "line 2 is not a JSON object (data.on_bad_row=raise)",
+        ),
+        ([], [], "no rows (empty file)"),
+        (["{oops", "", "not json"], [], "no rows (2 malformed lines)"),
+        (
+            [GOOD] * 3,
+            ["rl.prompts_per_step=4", "sft.steps=0"],
+            None,  # a file that cannot fill one step
+        ),
+    ],
+)
+def test_bad_data_files_are_one_line_before_any_compute(capsys, tmp_path, lines, overrides, line):
+    """A malformed line (with data.on_bad_row=raise), an empty file, a file of malformed lines,
+    a file with fewer rows than one step: one line naming the key, the file and the line, exit 2,
+    and no run file written: never a datasets traceback after the warm start."""
+    data = _problems_file(tmp_path / "train.jsonl", lines)
+    run = tmp_path / "run"
+    code, out, err = _main(
+        capsys, "train", DEMO, f"run.out_dir={run}", f"data.train={data}", *overrides
+    )
+    assert (code, out) == (2, "")
+    if line is None:
+        line = (
+            "data.train: 3 rows, fewer than one batch of rl.prompts_per_step=4; add rows or "
+            "lower rl.prompts_per_step"
+        )
+    else:
+        line = f"data.train={str(data)!r}: {line}"
+    assert err == f"jaxrlvr train: error: {line}\n"
+    assert not run.exists() or not any(run.iterdir())
+
+
+def test_malformed_lines_are_skipped_and_counted_by_default(capsys, tmp_path):
+    """data.on_bad_row=skip (the default): a malformed line costs its row, is named once at the
+    start, and the other rows load."""
+    from jaxrlvr import builders, preflight
+
+    data = _problems_file(tmp_path / "train.jsonl", [GOOD, "{oops", GOOD, '"a string"', GOOD])
+    cfg = config_lib.load_config(
+        DEMO,
+        [
+            f"run.out_dir={tmp_path / 'run'}",
+            f"data.train={data}",
+            "rl.prompts_per_step=3",
+            "sft.steps=0",
+        ],
+    )
+    preflight.check(cfg)
+    assert capsys.readouterr().err == (
+        f"[jaxrlvr] data.train={str(data)!r}: skipping 2 malformed lines (line 2, 4)\n"
+    )
+    train, _ = builders.load_splits(cfg)
+    assert [p.question for p in train] == ["1 + 1 = ?"] * 3
+    assert "malformed_line" in capsys.readouterr().err

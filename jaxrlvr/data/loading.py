@@ -6,8 +6,9 @@ otherwise from the last ``\\boxed{}`` of ``solution_field``. Rows without a usab
 answer are dropped and counted by reason in ``LoadStats`` (or raise with the row index, when
 ``on_bad_row="raise"``): they are never handed to training where they could score as correct.
 
-Loading goes through ``datasets`` (``load_dataset("json"|"parquet", data_files=...)`` for local
-files). Left out: streaming, and any filtering by difficulty (see ``iterators`` for curricula).
+Local jsonl files are read line by line (``read_json_rows``: a malformed line costs its row and
+is named by its line number); parquet files and hub datasets go through ``datasets``. Left out:
+streaming, and any filtering by difficulty (see ``iterators`` for curricula).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class DataConfig:
       id_field: column with a stable id (None: ``<file stem>-<row index>``).
       on_bad_row: ``skip`` (drop and count) or ``raise`` (ValueError naming the row index).
       limit: keep at most this many problems (None: all).
+      key: the config key that named the file, for error messages (e.g. ``data.train``).
     """
 
     path: str
@@ -76,6 +78,7 @@ class DataConfig:
     id_field: str | None = None
     on_bad_row: OnBadRow = "skip"
     limit: int | None = None
+    key: str = "data file"
 
     def __post_init__(self):
         if self.format not in get_args(DataFormat):
@@ -145,14 +148,88 @@ def extract_answer(value: Any, *, from_solution: bool) -> str | None:
     return answer or None
 
 
-def _load_rows(cfg: DataConfig):
+class DataFileError(ValueError):
+    """A data file cannot be used as it is; the message is one line naming the key, the file and
+    the line."""
+
+
+def read_json_rows(
+    path: str, *, on_bad_row: OnBadRow = "skip", key: str = "data file"
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The rows of a jsonl file (or of a .json file holding one array), and the 1-based line
+    numbers of the lines skipped as not a JSON object (``on_bad_row="skip"``).
+
+    Read line by line so that one malformed line costs that row, not the file (``datasets``'
+    json builder fails on the whole file), and so that errors name the line.
+
+    Raises:
+      DataFileError: the file has no rows; or, with ``on_bad_row="raise"``, the first line that
+        is not a JSON object.
+    """
+    import json
+
+    where = f"{key}={path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataFileError(f"{where}: cannot read ({e})") from None
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataFileError(f"{where}: not valid JSON ({e})") from None
+        lines = [(i + 1, item, None) for i, item in enumerate(items)]  # array index as "line"
+    else:
+        lines = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                lines.append((number, json.loads(line), None))
+            except json.JSONDecodeError as e:
+                lines.append((number, None, e.msg))
+    rows, skipped = [], []
+    for number, item, error in lines:
+        if isinstance(item, dict):
+            rows.append(item)
+            continue
+        if on_bad_row == "raise":
+            what = f"not JSON ({error})" if error else "not a JSON object"
+            raise DataFileError(f"{where}: line {number} is {what} (data.on_bad_row=raise)")
+        skipped.append(number)
+    if not rows:
+        detail = f" ({len(skipped)} malformed lines)" if skipped else " (empty file)"
+        raise DataFileError(f"{where}: no rows{detail}")
+    return rows, skipped
+
+
+def read_rows(path: str, *, on_bad_row: OnBadRow = "skip", key: str = "data file") -> list[dict]:
+    """The rows of a local jsonl / json (``read_json_rows``) or parquet file, or of a hub
+    dataset's train split, as dicts: for files of pairs (SFT, preference) rather than problems."""
+    if path.endswith((".jsonl", ".json")):
+        return read_json_rows(path, on_bad_row=on_bad_row, key=key)[0]
+    import datasets
+
+    if path.endswith(".parquet"):
+        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+    return list(datasets.load_dataset(path, split="train"))
+
+
+def _load_rows(cfg: DataConfig) -> tuple[Any, set[str], int]:
+    """(the rows, the columns, the malformed lines skipped) of the data: jsonl through
+    ``read_json_rows``, parquet and hub datasets through ``datasets``."""
+    fmt = cfg.resolved_format
+    if fmt == "jsonl":
+        rows, skipped = read_json_rows(cfg.path, on_bad_row=cfg.on_bad_row, key=cfg.key)
+        return rows, set().union(*rows), len(skipped)
     import datasets  # deferred: importing datasets costs about a second
 
-    fmt = cfg.resolved_format
     if fmt == "hub":
-        return datasets.load_dataset(cfg.path, cfg.hub_config, split=cfg.split)
-    builder = "json" if fmt == "jsonl" else "parquet"
-    return datasets.load_dataset(builder, data_files=cfg.path, split="train")
+        rows = datasets.load_dataset(cfg.path, cfg.hub_config, split=cfg.split)
+    else:
+        rows = datasets.load_dataset("parquet", data_files=cfg.path, split="train")
+    return rows, set(rows.column_names), 0
 
 
 def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
@@ -162,8 +239,7 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
       ValueError: with the row index, when ``cfg.on_bad_row == "raise"`` and a row is unusable;
         or when ``question_field`` is not a column at all.
     """
-    rows = _load_rows(cfg)
-    columns = set(rows.column_names)
+    rows, columns, malformed = _load_rows(cfg)
     if cfg.question_field not in columns:
         raise ValueError(
             f"DataConfig.question_field {cfg.question_field!r} is not a column of {cfg.path!r} "
@@ -172,6 +248,8 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
     stem = os.path.splitext(os.path.basename(cfg.path.rstrip("/")))[0] or "row"
     problems: list[Problem] = []
     reasons: collections.Counter[str] = collections.Counter()
+    if malformed:
+        reasons["malformed_line"] = malformed
     for index, row in enumerate(rows):
         if cfg.limit is not None and len(problems) >= cfg.limit:
             break
@@ -188,7 +266,9 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
             reason = "missing_answer"
         if reason is not None:
             if cfg.on_bad_row == "raise":
-                raise ValueError(f"{cfg.path}: row {index}: {reason}")
+                raise DataFileError(
+                    f"{cfg.key}={cfg.path!r}: row {index}: {reason} (data.on_bad_row=raise)"
+                )
             reasons[reason] += 1
             continue
         row_id = row.get(cfg.id_field) if cfg.id_field is not None else None

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxrlvr import builders, rollout
 from jaxrlvr.algos import preference
-from jaxrlvr.data import iterators
+from jaxrlvr.data import iterators, loading
 from jaxrlvr.phases import base
 
 log = builders.log
@@ -46,10 +46,9 @@ class PreferencePhase(base.Phase):
 
     def _preference_pairs(self) -> list[tuple[str, str, str]]:
         """(prompt, chosen, rejected) rows of ``pref.data``, read with ``datasets``."""
-        import datasets
-
         pref = self.cfg.pref
-        rows = datasets.load_dataset("json", data_files=pref.data, split="train")
+        on_bad_row = self.cfg.data.on_bad_row
+        rows = loading.read_rows(pref.data, on_bad_row=on_bad_row, key="pref.data")
         keys = (pref.prompt_field, pref.chosen_field, pref.rejected_field)
         pairs = [tuple(row.get(k) for k in keys) for row in rows]
         good = [p for p in pairs if all(isinstance(x, str) for x in p) and p[1] and p[2]]

@@ -42,9 +42,7 @@ class SFTPhase(base.Phase):
                 )
                 for p in ctx.train_problems
             ]
-        import datasets
-
-        rows = datasets.load_dataset("json", data_files=cfg.sft.data, split="train")
+        rows = loading.read_rows(cfg.sft.data, on_bad_row=cfg.data.on_bad_row, key="sft.data")
         examples, skipped = [], 0
         for i, row in enumerate(rows):
             prompt, response = row.get(cfg.sft.prompt_field), row.get(cfg.sft.response_field)
