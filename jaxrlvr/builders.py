@@ -361,28 +361,31 @@ def check_lengths(
                 )
 
 
-def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
-    """(the reward function of ``reward.fn``, the grading pool that runs it time-bounded).
+def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:
+    """The reward function of ``reward.fn`` (picklable: the grading pool's workers run it).
 
     ``reward.fn: code`` checks here that the sandbox starts (a one-line error naming
     ``reward.sandbox`` when bubblewrap is missing) and warns when ``reward.sandbox`` is none.
     """
     r = cfg.reward
-    timeout_s = r.timeout_s
-    if r.fn == "code":
-        if r.sandbox == "none":
-            log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
-        try:
-            sandbox.check_available(r.code.sandbox(r.sandbox))
-        except sandbox.SandboxUnavailable as exc:
-            raise configlib.ConfigKeyError(str(exc)) from None
-        reward_fn = code.make_code_reward_fn(
-            r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight
-        )
-        timeout_s = code.grader_timeout_s(r.code, timeout_s)
-    else:
-        reward_fn = verifiers.make_reward_fn(
+    if r.fn != "code":
+        return verifiers.make_reward_fn(
             verifiers.RewardConfig(name=r.fn, format_weight=r.format_weight)
         )
+    if r.sandbox == "none":
+        log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
+    try:
+        sandbox.check_available(r.code.sandbox(r.sandbox))
+    except sandbox.SandboxUnavailable as exc:
+        raise configlib.ConfigKeyError(str(exc)) from None
+    return code.make_code_reward_fn(r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight)
+
+
+def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
+    """(``build_reward_fn``'s reward function, the grading pool that runs it time-bounded; a
+    code reward's per-call bound covers its tests' limits)."""
+    r = cfg.reward
+    reward_fn = build_reward_fn(cfg)
+    timeout_s = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
     pool = grading.GradingPool(num_workers=r.num_workers, timeout_s=timeout_s)
     return reward_fn, pool

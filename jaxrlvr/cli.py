@@ -238,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxrlvr: unknown command {command!r} (choose from {', '.join(COMMANDS)})")
         return 2
     from jaxrlvr import checkpoint, configlib
+    from jaxrlvr.sampling import base as sampling_base
 
     try:
         return COMMANDS[command](rest)
     except configlib.ConfigKeyError as e:
         print(f"jaxrlvr {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except checkpoint.CheckpointError as e:
+    except (checkpoint.CheckpointError, sampling_base.SamplerError) as e:
         print(f"jaxrlvr {command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError) as e:

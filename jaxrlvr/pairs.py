@@ -22,7 +22,6 @@ import numpy as np
 from jaxrlvr import builders, export, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr.rewards import grading, verifiers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,10 +81,7 @@ def build_pairs(
         builders.log(f"pairs: sampling from checkpoint step {step} of {run_dir}")
     problems, _ = builders.load_splits(cfg)
     problems = problems[: pairs_cfg.max_problems]
-    reward_fn = verifiers.make_reward_fn(
-        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
-    )
-    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    reward_fn, pool = builders.build_grader(cfg)
     sampler = None
     k = pairs_cfg.k
     try:

@@ -72,3 +72,53 @@ def test_grpo_loop_with_vllm_sampler(tmp_path):
         assert line["sampler_trainer_logprob_gap_max"] < 1e-4, line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == 3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_crashed_vllm_engine_is_one_line_quoting_its_log(tmp_path):
+    """A model whose attention vLLM's CPU build cannot run (head_dim 16): the engine dies of a
+    fatal error at the first request. The server is restarted once; when it dies of the same
+    error again the run stops with one line that quotes the root cause from the server's log and
+    names the log, exit 1, no traceback; the checkpoint-free run directory holds no metrics."""
+    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
+        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", "configs/demo.yaml"]
+    cmd += [
+        f"run.out_dir={run_dir}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "sampler.kind=vllm",
+        f"sampler.vllm_python={python}",
+        "model.hidden_size=32",  # 2 heads: head_dim 16, which vLLM's CPU attention refuses
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "data.synthetic_train_size=100",
+        "data.synthetic_eval_size=8",
+        "eval.max_problems=8",
+        "sft.steps=0",
+        "rl.steps=2",
+        "reward.num_workers=1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    log = run_dir / "vllm_server.log"
+    assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}"
+    errors = [x for x in proc.stderr.splitlines() if not x.startswith("[jaxrlvr] ")]
+    assert errors == [
+        "jaxrlvr train: error: vLLM server at "
+        + errors[0].split("vLLM server at ")[1].split(" ")[0]
+        + " died again of the same fatal error, so it is not restarted: RuntimeError: "
+        "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0 "
+        f"(log: {log})"
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert log.read_text().count("=== jaxrlvr: starting") == 2  # started, restarted once
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "checkpoints").exists()

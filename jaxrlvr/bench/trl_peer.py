@@ -11,7 +11,7 @@ dependency of jaxrlvr):
   (``builders.load_splits`` / ``builders.render`` / ``builders.build_tokenizer``); one step is
   ``rl.prompts_per_step`` prompts x ``rl.group_size`` completions, all in one optimizer step
   (``steps_per_generation=1``, one iteration: TRL then skips its old-log-prob pass too);
-- rewards: the config's verifier (``verifiers.make_reward_fn``), called in-process;
+- rewards: the config's verifier (``builders.build_reward_fn``), called in-process;
 - sampling: ``sampler.temperature``/``top_p``/``top_k``/``max_tokens``, and the config's stop
   strings that are single tokens (``</answer>`` in the demo) end a completion, as in jaxrlvr;
 - loss: GRPO, sequence-mean of token-means (TRL ``loss_type="grpo"``, the demo's
@@ -91,7 +91,6 @@ def main(argv=None) -> int:
     from jaxrlvr import builders, evaluation
     from jaxrlvr import config as config_lib
     from jaxrlvr.bench import common
-    from jaxrlvr.rewards import verifiers
 
     cfg = config_lib.load_config(args.config, list(args.set))
     rl, s, o = cfg.rl, cfg.sampler, cfg.optim
@@ -100,9 +99,7 @@ def main(argv=None) -> int:
     data = datasets.Dataset.from_list(
         [{"prompt": builders.render(cfg, p, tokenizer), "answer": p.answer} for p in problems]
     )
-    grade = verifiers.make_reward_fn(
-        verifiers.RewardConfig(name=cfg.reward.fn, format_weight=cfg.reward.format_weight)
-    )
+    grade = builders.build_reward_fn(cfg)
 
     def reward(prompts, completions, answer, **_):
         return [float(grade(c, a)["reward"]) for c, a in zip(completions, answer)]

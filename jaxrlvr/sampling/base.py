@@ -33,6 +33,12 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
+
+class SamplerError(RuntimeError):
+    """A sampler cannot serve (a server that died of a fatal error, that will not start, that
+    rejects requests); the message's first line names the cause and where to read more."""
+
+
 FinishReason = Literal["stop", "length"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length")
 

@@ -62,7 +62,7 @@ WeightTransfer = Literal["disk", "nccl"]
 _WEIGHT_TRANSFERS = get_args(WeightTransfer)
 
 
-class VLLMError(RuntimeError):
+class VLLMError(base.SamplerError):
     """A vLLM server could not serve a request (unreachable, not in dev mode, died, rejected)."""
 
 
@@ -75,6 +75,9 @@ class _Target:
     url: str
     server: vllm_server.VLLMServer | None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # The root cause of the server's last death (``VLLMServer.failure``): a second death of the
+    # same cause is fatal, not another restart.
+    last_failure: str | None = None
 
 
 class VersionGate:
@@ -415,9 +418,15 @@ class VLLMSampler:
                 self._recover(t)
                 if attempt + 1 < attempts:
                     time.sleep(self.backoff_s * 2**attempt)
+        causes = [
+            f"{t.url}: {t.server.failure()} (log: {t.server.log_path})"
+            for t in self._targets
+            if t.server is not None and t.server.failure()
+        ]
         raise VLLMError(
             f"vLLM completion for prompt {prompt_index} failed after {attempts} attempts "
             f"(servers {self.urls}): {type(last).__name__}: {last}"
+            + (f"; the servers' logs show {'; '.join(causes)}" if causes else "")
         )
 
     def _healthy(self, t: _Target) -> bool:
@@ -438,12 +447,20 @@ class VLLMSampler:
                 dead = not t.server.alive() or not self._healthy(t)
             if not dead:
                 return
+            cause = t.server.failure()
+            log = f"(log: {t.server.log_path})"
             if not self.restart_dead_servers:
                 raise VLLMError(
-                    f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
-                    f"restart_dead_servers=False; no partial batch is returned. Log: "
-                    f"{t.server.log_path}"
+                    f"vLLM server at {t.url} died (exit code {t.server.returncode()}"
+                    f"{'; ' + cause if cause else ''}) and restart_dead_servers=False; no partial "
+                    f"batch is returned {log}"
                 )
+            if cause is not None and cause == t.last_failure:
+                raise VLLMError(
+                    f"vLLM server at {t.url} died again of the same fatal error, so it is not "
+                    f"restarted: {cause} {log}"
+                )
+            t.last_failure = cause
             t.server.restart(self.export_dir if self._exported else None)
             if self._exported:
                 self._post(t, "/update_weight_version", json={"new_version": str(self.version)})

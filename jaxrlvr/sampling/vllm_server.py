@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import ipaddress
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 import httpx
 
 from jaxrlvr import placement
+from jaxrlvr.sampling import base as sampling_base
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
 SERVED_MODEL_NAME = "jaxrlvr-policy"
@@ -157,6 +159,32 @@ def log_tail(path: str, lines: int = 40) -> str:
         return ""
 
 
+# vLLM's log prefix, e.g. "(EngineCore pid=7) ERROR 12-02 07:03:07 [core.py:1512] ".
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(\w+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)): \S")
+_LEVELS = ("ERROR", "CRITICAL")
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of a server log (a crash's root cause), without vLLM's prefix:
+    wrappers that point elsewhere ("See stack trace (above) for the root cause") are passed over,
+    and of prefixed lines only ERROR / CRITICAL ones count. None when the log shows none."""
+    for line in log_text.splitlines():
+        prefix = _LOG_PREFIX.match(line)
+        text = line[prefix.end() :].strip()
+        level = (prefix.group(2) or "").split(" ")[0]
+        if prefix.group(2) and level not in _LEVELS:
+            continue
+        if level in _LEVELS and text.startswith("[") and "] " in text:  # "[file.py:12] ..."
+            text = text.split("] ", 1)[1]
+        if not _EXCEPTION_LINE.match(text):
+            continue
+        if "root cause" in text or "stack trace" in text:
+            continue
+        return text
+    return None
+
+
 class VLLMServer:
     """A vLLM server child process on one model directory.
 
@@ -239,6 +267,7 @@ class VLLMServer:
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
+        self._log_start = 0
         if start:
             self.start()
 
@@ -314,6 +343,7 @@ class VLLMServer:
         if self.alive():
             return
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()  # this start's part of the log (``failure``)
             log.write(f"\n=== jaxrlvr: starting {' '.join(self.command())}\n".encode())
             log.flush()
             # A new session makes the server the leader of its own process group, so that stop()
@@ -341,10 +371,11 @@ class VLLMServer:
             while True:
                 code = self._proc.poll()
                 if code is not None:
-                    raise RuntimeError(
-                        f"vLLM server exited with code {code} during start-up "
-                        f"(command: {' '.join(self.command())}); log {self.log_path} ends with:\n"
-                        f"{log_tail(self.log_path)}"
+                    cause = self.failure() or "no exception in its log"
+                    raise sampling_base.SamplerError(
+                        f"vLLM server exited with code {code} during start-up: {cause} (log: "
+                        f"{self.log_path}; command: {' '.join(self.command())}); the log ends "
+                        f"with:\n{log_tail(self.log_path)}"
                     )
                 try:
                     if client.get(self.url + "/health").status_code == 200:
@@ -359,6 +390,15 @@ class VLLMServer:
                         f"log {self.log_path} ends with:\n{log_tail(self.log_path)}"
                     )
                 time.sleep(0.5)
+
+    def failure(self) -> str | None:
+        """The root-cause line (``root_cause``) of this start's part of the log, if any."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return root_cause(f.read().decode(errors="replace"))
+        except OSError:
+            return None
 
     def alive(self) -> bool:
         """True while the server process runs (says nothing about readiness)."""

@@ -276,3 +276,36 @@ def test_update_weights_exports_in_place_while_holding_every_servers_lock(
         assert [t.lock.locked() for t in sampler._targets] == [False, False]  # released
     finally:
         sampler.close()
+
+
+def test_root_cause_is_the_first_exception_line():
+    """The line a crashed server's log is quoted by: the first ERROR-level (or unprefixed)
+    exception line of the log, without vLLM's prefix; warnings that mention an error and the
+    wrappers that point back at the root cause are passed over. Lines shaped like the CPU
+    build's log of a head_dim 16 model."""
+    from jaxrlvr.sampling import vllm_server
+
+    log = "\n".join(
+        [
+            "=== jaxrlvr: starting python -m vllm.entrypoints.openai.api_server ...",
+            "(APIServer pid=1) WARNING 12-02 07:02:48 [system_utils.py:255] Found ulimit of "
+            "20000 ... errors like `OSError: [Errno 24] Too many open files`.",
+            "(Worker pid=3) ERROR 12-02 07:03:07 [multiproc_executor.py:1063] Traceback (most "
+            "recent call last):",
+            "(Worker pid=3) ERROR 12-02 07:03:07 [multiproc_executor.py:1063] RuntimeError: "
+            "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+            "(EngineCore pid=2) ERROR 12-02 07:03:07 [core.py:1512] RuntimeError: Worker failed "
+            "with error 'x', please check the stack trace above for the root cause",
+            "(APIServer pid=1) ERROR 12-02 07:03:07 [async_llm.py:906] vllm.v1.engine.exceptions."
+            "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the "
+            "root cause.",
+        ]
+    )
+    assert vllm_server.root_cause(log) == (
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+    )
+    # A start-up crash prints a plain Python traceback; only wrappers: nothing to quote.
+    plain = "Traceback (most recent call last):\n  File 'x.py'\nValueError: max_model_len 9 > 4\n"
+    assert vllm_server.root_cause(plain) == "ValueError: max_model_len 9 > 4"
+    assert vllm_server.root_cause(log.splitlines()[-1]) is None
+    assert vllm_server.root_cause("INFO all good\n") is None
