@@ -255,10 +255,10 @@ def report_failure(error: BaseException) -> None:
 
     A runtime failure (``jax.errors.JaxRuntimeError`` in the chain: a collective whose peer
     closed its connection) starts a roll call in JAX's coordination service: each failing
-    process checks in under ``jaxrlvr/failed/``; those missing after ``heartbeat_timeout / 4``
-    seconds (at most 10) are named as lost. The answer must come before JAX's own verdict (at
-    most ``heartbeat_timeout`` after the last heartbeat, earliest about half of it), which
-    aborts the process from C++ with a multi-line message and leaves Python no time to speak.
+    process checks in under ``jaxrlvr/failed/``; those missing after ``heartbeat_timeout / 6``
+    seconds (at most 10) are named as lost. The answer must come before JAX's own verdict
+    (measured: from half the heartbeat timeout after the death on), which aborts the process
+    from C++ with a multi-line message and leaves Python no time to speak.
     Any other error is this process's own: its line names it (after its traceback unless it is
     a user's error, a ValueError or missing file), and the others report this process as lost.
     """
@@ -271,7 +271,7 @@ def report_failure(error: BaseException) -> None:
     while cause is not None and not isinstance(cause, jax.errors.JaxRuntimeError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None:
-        grace = min(cfg.heartbeat_timeout / 4, 10.0)
+        grace = min(cfg.heartbeat_timeout / 6, 10.0)
         answered = _roll_call(me, n, grace)
         if isinstance(answered, str):
             what = f"lost process 0 (JAX's coordination service, which it runs: {answered})"

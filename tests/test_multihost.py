@@ -13,7 +13,7 @@ reference. Each way of launching is used once: explicit flags (``--coordinator -
   with exactly the uninterrupted two-process run's parameters.
 - One process SIGKILLed mid-step (after the step-1 checkpoint): the other exits with status 1
   and one line naming the lost process within the heartbeat timeout
-  (``distributed.heartbeat_timeout=10``; ``distributed.report_failure``); ``--resume`` of both
+  (``distributed.heartbeat_timeout=30``; ``distributed.report_failure``); ``--resume`` of both
   then ends with exactly the uninterrupted two-process run's parameters.
 """
 
@@ -61,7 +61,10 @@ TINY = [
     "run.progress=false",
     "run.tensorboard=false",
 ]
-HEARTBEAT = 10  # distributed.heartbeat_timeout of the killed run, seconds
+# distributed.heartbeat_timeout of the killed run, seconds: JAX's verdict (an abort from C++)
+# comes from half of it after the kill on; process 0 reaches its failing collective up to ~4 s
+# after the kill here, then the roll call waits HEARTBEAT / 6 s.
+HEARTBEAT = 30
 # Host-side timings differ run to run; everything else must agree.
 VOLATILE = ("time/", "throughput/", "sync/", "grading/seconds")
 
@@ -274,9 +277,8 @@ def killed(tmp_path_factory):
 def test_lost_process_is_reported_in_one_line_within_the_heartbeat_timeout(killed):
     _, rc, err, seconds = killed
     assert rc == 1, err[-3000:]
-    # The roll call waits HEARTBEAT / 4 s; JAX's own verdict would come later, and kill.
     print(f"process 0 stopped {seconds:.1f} s after process 1's SIGKILL")  # shown with -s
-    assert seconds < HEARTBEAT, f"process 0 took {seconds:.1f} s to stop"
+    assert seconds < HEARTBEAT / 2, f"process 0 took {seconds:.1f} s to stop"  # before JAX
     lines = [x for x in err.strip().splitlines() if x.startswith("jaxrlvr:")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith("jaxrlvr: error: process 0: lost process 1 (a collective failed"), (
