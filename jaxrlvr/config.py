@@ -191,8 +191,26 @@ class SamplerSection:
 
     def __post_init__(self):
         from jaxrlvr import placement
+        from jaxrlvr.sampling import base as sampling_base
         from jaxrlvr.sampling import vllm_server
 
+        # The sampling parameters the run will use, checked now by the one validation
+        # (``SamplingParams``) rather than when the first rollout or evaluation starts.
+        sampling_base.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            thinking_budget=self.thinking_budget,
+        )
+        eval_max_tokens = self.max_tokens if self.eval_max_tokens is None else self.eval_max_tokens
+        try:
+            sampling_base.SamplingParams(
+                temperature=self.eval_temperature, max_tokens=eval_max_tokens
+            )
+        except ValueError as e:
+            raise ValueError(f"eval_{e}") from None
         vllm_server.check_bind_host(
             self.vllm_host,
             self.vllm_allow_remote_dev_endpoints,

@@ -20,6 +20,7 @@ is neither "synthetic" nor a local path) are resolved by ``datasets`` when loade
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -261,12 +262,35 @@ def existing_run(out_dir: str) -> list[str]:
     return held
 
 
+def check_writable_dir(path: str, key: str) -> None:
+    """A file can be written in ``path`` (created if missing). Leaves the disk as it was: the
+    probe file and the directories made for it are removed."""
+    import tempfile
+
+    made, parent = [], os.path.abspath(path)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".jaxrlvr-probe-"):
+            pass
+    except OSError as e:
+        raise PreflightError(f"{key}={path!r}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for directory in made:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+
+
 def check_run_dir(out_dir: str, *, resume: bool, overwrite: bool) -> None:
-    """Refuses to start a new run where one already lives, unless resume or overwrite."""
+    """Refuses to start a new run where one already lives, unless resume or overwrite, and a
+    run directory nothing can be written to."""
     if resume and overwrite:
         raise PreflightError("--resume and --overwrite exclude each other: pick one")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise PreflightError(f"run.out_dir={out_dir!r}: is a file, expected a directory")
+    check_writable_dir(out_dir, "run.out_dir")
     held = existing_run(out_dir)
     if held and not resume and not overwrite:
         raise PreflightError(

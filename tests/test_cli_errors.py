@@ -376,3 +376,36 @@ def test_malformed_lines_are_skipped_and_counted_by_default(capsys, tmp_path):
     train, _ = builders.load_splits(cfg)
     assert [p.question for p in train] == ["1 + 1 = ?"] * 3
     assert "malformed_line" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampler.max_tokens=0", "max_tokens must be an int >= 1, got 0"),
+        ("sampler.eval_max_tokens=0", "eval_max_tokens must be an int >= 1, got 0"),
+        ("sampler.top_p=0", "top_p must be in (0, 1], got 0.0"),
+        ("sampler.eval_temperature=-1", "eval_temperature must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_sampling_settings_are_checked_when_the_config_is_read(capsys, tmp_path, override, message):
+    """Sampling settings the sampler would refuse fail when the config is read, not after the
+    SFT warm start (where the first evaluation would have built them)."""
+    code, out, err = _main(capsys, "train", DEMO, f"run.out_dir={tmp_path / 'run'}", override)
+    assert (code, out, err) == (2, "", f"jaxrlvr train: config error: sampler: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_nothing_can_be_written_to_is_refused_first(capsys, tmp_path):
+    """run.out_dir where no file can be written: one line naming the key, before any compute;
+    the preflight probe leaves no directory behind when the run does not start."""
+    code, out, err = _main(capsys, "train", DEMO, "run.out_dir=/proc/jaxrlvr-run")
+    assert (code, out) == (2, "")
+    assert err == (
+        "jaxrlvr train: error: run.out_dir='/proc/jaxrlvr-run': cannot write there (No such file "
+        "or directory)\n"
+    )
+    deep = tmp_path / "a" / "b"
+    missing = tmp_path / "data.jsonl"
+    code, _, err = _main(capsys, "train", DEMO, f"run.out_dir={deep}", f"data.train={missing}")
+    assert code == 2 and "file not found" in err
+    assert not (tmp_path / "a").exists()
