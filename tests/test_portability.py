@@ -33,6 +33,8 @@ the backend's compiler rejects), speed and numerics still need the hardware.
 
 import dataclasses
 import functools
+import importlib
+import pkgutil
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+import jaxrlvr.algos
 from jaxrlvr import model as M
 from jaxrlvr.algos import algorithm, engine, grpo, loss_config, optim, ppo, preference, sft, step
 from jaxrlvr.algos import batch as batch_lib
@@ -157,8 +160,8 @@ def _sft_like(factory):
 
 
 ALGORITHMS = {
-    "sft": _sft_like(algorithm.sft),
-    "expert_iteration": _sft_like(algorithm.expert_iteration),
+    "sft": _sft_like(sft.sft_algorithm),
+    "expert_iteration": _sft_like(sft.expert_iteration_algorithm),
     "grpo": _grpo(),
     "grpo_dapo": _grpo(aggregation="token_mean", clip_eps_high=0.28, dual_clip=3.0),
     "grpo_dr_grpo": _grpo(aggregation="seq_mean_token_sum_norm", norm_constant=float(T)),
@@ -283,11 +286,16 @@ def test_algorithm_init_lowers(arch, name, platform):
 def test_every_algorithm_factory_is_covered():
     """A new algorithm record must be added to ALGORITHMS (and so to the portability check)."""
     factories = {"sft", "expert_iteration", "grpo", "ppo", "preference"}
+    modules = [
+        importlib.import_module(f"jaxrlvr.algos.{m.name}")
+        for m in pkgutil.iter_modules(jaxrlvr.algos.__path__)
+    ]
     public = {
-        n
-        for n, f in vars(algorithm).items()
+        n.removesuffix("_algorithm")
+        for module in modules
+        for n, f in vars(module).items()
         if callable(f)
-        and getattr(f, "__module__", None) == algorithm.__name__
+        and getattr(f, "__module__", None) == module.__name__
         and not n.startswith("_")
         and f.__annotations__.get("return") in (algorithm.Algorithm, "Algorithm")
     }
