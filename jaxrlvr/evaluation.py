@@ -16,8 +16,6 @@ from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
 
-log = builders.log
-
 
 def evaluate(
     cfg, sampler, tokenizer, problems, pool, reward_fn, *, block=(0, 1)
@@ -72,11 +70,7 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
     placement.check_jax_devices(placement.place_trainer(cfg.sampler))  # vLLM's GPUs stay free
     mesh = model_lib.make_mesh(cfg.mesh)
     tokenizer = builders.build_tokenizer(cfg)
-    if run_dir is None:
-        model = builders.build_model(cfg, tokenizer, mesh)
-    else:
-        step, model = export.restore_policy(cfg, run_dir, mesh, tokenizer)
-        log(f"evaluating checkpoint step {step} of {run_dir}")
+    model = export.load_policy(cfg, run_dir, mesh, tokenizer, purpose="evaluating")
     _, problems = builders.load_splits(cfg, train=False)
     positions = model.config.max_position_embeddings
     held_out = problems[: cfg.eval.max_problems]

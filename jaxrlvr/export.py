@@ -59,6 +59,18 @@ def restore_policy(
     return step, nnx.merge(target.graphdef, tree["state"].params)
 
 
+def load_policy(
+    cfg: config_lib.TrainConfig, run_dir: str | None, mesh, tokenizer, *, purpose: str
+) -> model_lib.Qwen2ForCausalLM:
+    """The config's initial model (``run_dir`` None), or the policy of a run's newest checkpoint
+    (``restore_policy``), logged as ``"{purpose} checkpoint step N of RUN_DIR"``."""
+    if run_dir is None:
+        return builders.build_model(cfg, tokenizer, mesh)
+    step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
+    log(f"{purpose} checkpoint step {step} of {run_dir}")
+    return model
+
+
 def _single_host_mesh():
     return model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1))
 

@@ -74,11 +74,7 @@ def build_pairs(
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
     mesh = model_lib.make_mesh(cfg.mesh)
     tokenizer = builders.build_tokenizer(cfg)
-    if run_dir is None:
-        model = builders.build_model(cfg, tokenizer, mesh)
-    else:
-        step, model = export.restore_policy(cfg, run_dir, mesh, tokenizer)
-        builders.log(f"pairs: sampling from checkpoint step {step} of {run_dir}")
+    model = export.load_policy(cfg, run_dir, mesh, tokenizer, purpose="pairs: sampling from")
     problems, _ = builders.load_splits(cfg)
     problems = problems[: pairs_cfg.max_problems]
     reward_fn, pool = builders.build_grader(cfg)

@@ -7,27 +7,14 @@ import pathlib
 
 import jax
 import pytest
+import test_train
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import interrupt, phases, train
 from jaxrlvr.phases import base, preference, rl, sft
 
-TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
-    "data.synthetic_train_size=40",
-    "data.synthetic_eval_size=4",
-    "sft.batch_size=8",
-    "rl.prompts_per_step=4",
-    "mesh.data=8",  # the 8 fake devices of tests/conftest.py
-    "rl.group_size=2",
-    "reward.num_workers=1",
-    "run.progress=false",
-    "run.tensorboard=false",
-]
+# test_train's tiny run, on the 8 fake devices of tests/conftest.py.
+TINY = [*test_train.TINY, "mesh.data=8"]
 
 
 def _cfg(*overrides):

@@ -15,14 +15,20 @@ import pytest
 REPO = pathlib.Path(__file__).parent.parent
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_grpo_loop_with_vllm_sampler(tmp_path):
+def _vllm_python() -> str:
+    """The vLLM environment's interpreter; skipped without it locally, failed in CI."""
     python = os.environ.get("JAXRLVR_VLLM_PYTHON")
     if not python:
         if os.environ.get("CI"):
             pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
         pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    return python
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_grpo_loop_with_vllm_sampler(tmp_path):
+    python = _vllm_python()
     run_dir = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -81,11 +87,7 @@ def test_a_crashed_vllm_engine_is_one_line_quoting_its_log(tmp_path):
     fatal error at the first request. The server is restarted once; when it dies of the same
     error again the run stops with one line that quotes the root cause from the server's log and
     names the log, exit 1, no traceback; the checkpoint-free run directory holds no metrics."""
-    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
-    if not python:
-        if os.environ.get("CI"):
-            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
-        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    python = _vllm_python()
     run_dir = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)

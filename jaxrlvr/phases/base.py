@@ -185,3 +185,23 @@ class Phase:
 
     def close(self) -> None:
         """Stops what the phase started (threads); the context's components are the loop's."""
+
+
+class RLStepsPhase(Phase):
+    """A phase of ``rl.steps`` steps, evaluated every ``eval.every`` steps: the method of
+    ``rl.algo`` (RL or offline preference). ``reward_metric``: the step metric the progress bar
+    shows."""
+
+    reward_metric: ClassVar[str]
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.rl.steps
+
+    @property
+    def eval_every(self) -> int:
+        return self.cfg.eval.every
+
+    def postfix(self, metrics):
+        reward = metrics.get(self.reward_metric, float("nan"))
+        return {"phase": self.cfg.rl.algo, "reward": f"{reward:.2f}"}

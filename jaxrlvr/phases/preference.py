@@ -24,28 +24,17 @@ from jaxrlvr.phases import base
 log = builders.log
 
 
-class PreferencePhase(base.Phase):
+class PreferencePhase(base.RLStepsPhase):
     name = "preference"
     algorithm_phase = "rl"
-
-    @property
-    def total_steps(self) -> int:
-        return self.cfg.rl.steps
-
-    @property
-    def eval_every(self) -> int:
-        return self.cfg.eval.every
-
-    def postfix(self, metrics):
-        reward = metrics.get("reward_accuracy", float("nan"))
-        return {"phase": self.cfg.rl.algo, "reward": f"{reward:.2f}"}
+    reward_metric = "reward_accuracy"
 
     def prepare(self, batch):
         batch, metrics = self.compiled.prepare(self.state, batch)
         return jax.block_until_ready(batch), metrics
 
     def _preference_pairs(self) -> list[tuple[str, str, str]]:
-        """(prompt, chosen, rejected) rows of ``pref.data``, read with ``datasets``."""
+        """(prompt, chosen, rejected) rows of ``pref.data`` (``data.loading.read_rows``)."""
         pref = self.cfg.pref
         on_bad_row = self.cfg.data.on_bad_row
         rows = loading.read_rows(pref.data, on_bad_row=on_bad_row, key="pref.data")

@@ -64,9 +64,10 @@ def shaping_config(
     )
 
 
-class RLPhase(base.Phase):
+class RLPhase(base.RLStepsPhase):
     name = "rl"
     algorithm_phase = "rl"
+    reward_metric = "reward_mean"
     samples_train_prompts = True
 
     def __init__(self, ctx: base.RunContext):
@@ -77,18 +78,6 @@ class RLPhase(base.Phase):
             self.producer = async_rollouts.RolloutProducer(
                 self._rollout_job, self.cfg.rl.max_staleness
             )
-
-    @property
-    def total_steps(self) -> int:
-        return self.cfg.rl.steps
-
-    @property
-    def eval_every(self) -> int:
-        return self.cfg.eval.every
-
-    def postfix(self, metrics):
-        reward = metrics.get("reward_mean", float("nan"))
-        return {"phase": self.cfg.rl.algo, "reward": f"{reward:.2f}"}
 
     def enter(self, params, rng) -> None:
         super().enter(params, rng)
