@@ -182,9 +182,9 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
 
     model_dir = weight_export.default_export_dir("jaxrlvr-vllm-model-")
     atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
-    weight_export.export_weights(
-        model.config, nnx.state(model, nnx.Param), model_dir, dtype=plan.dtype
-    )
+    # Every process gathers the (possibly sharded) weights; each exports for its own servers.
+    weights = distributed.host_weights(nnx.state(model, nnx.Param))
+    weight_export.export_weights(model.config, weights, model_dir, dtype=plan.dtype)
     tokenizer.save_pretrained(model_dir)
     groups = plan.server_gpus or ((),) * s.vllm_num_servers
     logs = [

@@ -109,12 +109,6 @@ def test_two_processes_share_one_vllm_server_like_one_process(shared_server, ref
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="builders.build_sampler exports the initial, sharded weights with jax.device_get "
-    "('spans non-addressable devices'); passes with distributed.host_weights(...) around "
-    "nnx.state(model, nnx.Param) there (drop this marker with that fix)",
-)
 def test_two_processes_with_a_vllm_server_each_like_one_process(reference, tmp_path):
     multi = tmp_path / "multi"
     per_host = [
