@@ -187,8 +187,10 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     weight_export.export_weights(model.config, weights, model_dir, dtype=plan.dtype)
     tokenizer.save_pretrained(model_dir)
     groups = plan.server_gpus or ((),) * s.vllm_num_servers
+    # One log per server; several processes (servers per host) each name theirs.
+    stem = "vllm_server" if jax.process_count() == 1 else f"vllm_server_p{jax.process_index()}"
     logs = [
-        os.path.join(run_dir, "vllm_server.log" if i == 0 else f"vllm_server_{i}.log")
+        os.path.join(run_dir, f"{stem}.log" if i == 0 else f"{stem}_{i}.log")
         for i in range(len(groups))
     ]
     log(f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})")

@@ -303,6 +303,9 @@ def move_run_aside(out_dir: str) -> str | None:
     """Moves the run's files in ``out_dir`` into ``out_dir/previous-<UTC time>/``; returns that
     folder (None when there was nothing to move). Files that are not the run's stay."""
     present = [n for n in RUN_ENTRIES if os.path.lexists(os.path.join(out_dir, n))]
+    # The logs of further servers and of other processes' servers (builders.build_sampler).
+    logs = glob.glob(os.path.join(glob.escape(out_dir), "vllm_server?*.log"))
+    present += sorted(os.path.basename(x) for x in logs if os.path.basename(x) not in present)
     if not present:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -187,13 +187,21 @@ def test_existing_run_dir_is_refused_without_resume_or_overwrite(tmp_path):
 def test_overwrite_moves_the_old_run_aside_intact(tmp_path, capsys):
     run = tmp_path / "run"
     _old_run(run)
+    for name in ("vllm_server_1.log", "vllm_server_p1.log"):  # further servers', processes'
+        (run / name).write_text("log")
     preflight.check(_cfg(tmp_path), overwrite=True)
     names = os.listdir(run)
     moved = [n for n in names if n.startswith("previous-")]
     assert len(moved) == 1 and sorted(names) == sorted([moved[0], "notes.txt"])
     old = run / moved[0]
     assert (old / "metrics.jsonl").read_text() == '{"step": 44}\n'
-    assert sorted(os.listdir(old)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert sorted(os.listdir(old)) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "vllm_server_1.log",
+        "vllm_server_p1.log",
+    ]
     assert os.listdir(old / "checkpoints") == ["44"]
     assert capsys.readouterr().err == (
         f"[jaxrlvr] --overwrite: moved the previous run in {run} to {old}\n"
