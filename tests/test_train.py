@@ -215,8 +215,8 @@ def uninterrupted(tmp_path_factory):
 
 
 def _start_and_wait_for_rl(run_dir, min_lines=7):
-    """Starts a training run and returns once it is in the RL phase past a checkpoint
-    (metrics line 7 = SFT 4 + RL 3 steps, past the step-6 checkpoint)."""
+    """Starts a training run and returns once it has logged ``min_lines`` metrics lines (7 = SFT
+    4 + RL 3 steps, past the step-6 checkpoint; 5 = the first RL step)."""
     cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *RESUME_ARGS, f"run.out_dir={run_dir}"]
     proc = subprocess.Popen(
         cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -257,7 +257,10 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path, uninterrupte
     """A scheduler's preemption: SIGTERM during the RL phase saves a checkpoint between steps and
     exits 0 within a bounded time; --resume then ends at the uninterrupted run's params."""
     run_dir = tmp_path / "preempted"
-    proc = _start_and_wait_for_rl(run_dir)
+    # After the first RL step: five steps and an evaluation remain, so the signal lands inside
+    # the loop (at line 7 the last three RL steps of this tiny run could finish in the ~0.2 s
+    # between the poll and the signal on a quiet machine, and the run ended normally).
+    proc = _start_and_wait_for_rl(run_dir, min_lines=5)
     lines_at_signal = len((run_dir / "metrics.jsonl").read_text().splitlines())
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
