@@ -10,6 +10,7 @@ shapes fit the mesh. Nothing here trains or loops: that is ``train`` and ``phase
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import sys
@@ -155,6 +156,13 @@ def sampling_params(cfg: config_lib.TrainConfig, tokenizer, *, eval_mode=False, 
 
 
 def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: str):
+    """The run's sampler: the engine of ``sampler.kind``; with ``env.tools``, wrapped so that
+    its completions are multi-turn tool-use rollouts (``envs.MultiTurnSampler``)."""
+    if cfg.env.tools:
+        engine = build_sampler(
+            dataclasses.replace(cfg, env=config_lib.EnvSection()), model, tokenizer, mesh, run_dir
+        )
+        return build_multi_turn(cfg, engine, tokenizer)
     eos = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
     if cfg.sampler.kind == "jax":
         from jaxrlvr.sampling import jax_sampler
@@ -226,6 +234,33 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     if jax.process_count() > 1:
         return distributed.ProcessSyncedSampler(sampler, shared=False)
     return sampler
+
+
+def build_multi_turn(cfg: config_lib.TrainConfig, engine, tokenizer):
+    """``engine`` wrapped into a ``envs.MultiTurnSampler`` with ``env.tools`` and its limits (the
+    python tool runs in ``reward.sandbox`` with ``reward.code``'s limits)."""
+    from jaxrlvr import envs
+
+    e = cfg.env
+    tools = envs.make_tools(e.tools, sandbox=cfg.reward.code.sandbox(cfg.reward.sandbox))
+    limits = envs.TurnLimits(
+        max_turns=e.max_turns,
+        max_tokens_per_turn=e.max_tokens_per_turn or cfg.sampler.max_tokens,
+        max_total_tokens=cfg.sampler.max_tokens,
+    )
+
+    def close_tools():
+        for tool in tools:
+            getattr(tool, "close", lambda: None)()
+
+    return envs.MultiTurnSampler(
+        engine,
+        tokenizer,
+        lambda: envs.ToolEnvironment(tools, max_output_chars=e.max_output_chars),
+        limits,
+        num_workers=e.num_workers,
+        on_close=close_tools,
+    )
 
 
 def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:

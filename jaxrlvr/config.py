@@ -28,12 +28,16 @@ from jaxrlvr.rewards.sandbox import SandboxKind
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Where the run writes, and its seed."""
+    """Where the run writes, and its seed. ``compile_cache``: JAX's persistent compilation cache
+    (``compile_cache``): "auto" (``$JAXRLVR_COMPILE_CACHE``, else ~/.cache/jaxrlvr/jax-compile),
+    "off", or a directory; a second run of the same config then loads its programs instead of
+    compiling them."""
 
     out_dir: str = "runs/run"
     seed: int = 0
     tensorboard: bool = True
     progress: bool = True
+    compile_cache: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -435,6 +439,47 @@ class EvalSection:
     at_start: bool = True
 
 
+ToolName = Literal["python", "calculator"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSection:
+    """Multi-turn tool use (``jaxrlvr.envs``; docs/tools.md): rollouts alternate model turns and
+    tool outputs. Empty ``tools``: single-turn rollouts (the default).
+
+    ``tools``: ``python`` (``<python>code</python>`` runs in the ``reward.sandbox`` sandbox with
+    ``reward.code``'s limits; its printed output comes back) and / or ``calculator``
+    (``<calc>expression</calc>``). ``max_turns``: model turns per rollout;
+    ``max_tokens_per_turn`` (None: ``sampler.max_tokens``); ``sampler.max_tokens`` bounds the
+    whole rollout after the prompt (model and tool tokens). ``max_output_chars``: a tool's
+    output is clipped to this. ``num_workers``: threads that run one turn's tool calls.
+    """
+
+    tools: tuple[ToolName, ...] = ()
+    max_turns: int = 4
+    max_tokens_per_turn: int | None = None
+    max_output_chars: int = 64
+    num_workers: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "tools", tuple(self.tools))
+        for t in self.tools:
+            loss_config.check_literal("env.tools", t, ToolName)
+        if len(set(self.tools)) != len(self.tools):
+            raise ValueError(f"env.tools={list(self.tools)}: a tool is named twice")
+        for name in ("max_turns", "max_output_chars", "num_workers"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"env.{name}={value!r}: expected an int >= 1")
+        if self.max_tokens_per_turn is not None and not (
+            isinstance(self.max_tokens_per_turn, int) and self.max_tokens_per_turn >= 1
+        ):
+            raise ValueError(
+                f"env.max_tokens_per_turn={self.max_tokens_per_turn!r}: expected None or an "
+                "int >= 1"
+            )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
     every: int = 10
@@ -456,6 +501,17 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    env: EnvSection = dataclasses.field(default_factory=EnvSection)
+
+    def __post_init__(self):
+        if self.env.tools:
+            if not self.rl.mask_forced_tokens:
+                raise ValueError(
+                    "env.tools needs rl.mask_forced_tokens=true (tool outputs are not the "
+                    "policy's tokens and must stay out of the loss)"
+                )
+            if self.sampler.thinking_budget is not None:
+                raise ValueError("env.tools cannot be combined with sampler.thinking_budget")
 
 
 def load_config_dict(path: str, _seen: tuple[str, ...] = ()) -> dict:

@@ -135,12 +135,15 @@ class RunResult:
         answered nothing; it is restarted on the next call) or ``harness_error``.
       seconds: wall-clock time of the program inside the harness.
       leftover_processes: processes the program left behind before the sweep killed them.
+      output: what the program printed (stdout and stderr, at most ``capture`` bytes) when ``run``
+        was asked to capture it; "" otherwise.
     """
 
     passed: tuple[bool, ...]
     status: str
     seconds: float
     leftover_processes: int = 0
+    output: str = ""
 
     @property
     def fraction(self) -> float:
@@ -307,9 +310,12 @@ class Sandbox:
         except ValueError:
             return None
 
-    def run(self, program: str, tests: Sequence[dict], setup: str = "") -> RunResult:
+    def run(
+        self, program: str, tests: Sequence[dict] = (), setup: str = "", *, capture: int = 0
+    ) -> RunResult:
         """Run ``program`` (then ``setup``) and each test; see ``sandbox_harness`` for the test
-        dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests)."""
+        dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests). ``capture``
+        > 0: keep the first that many bytes the program prints (``RunResult.output``)."""
         if self._proc is None or self._proc.poll() is not None:
             self._kill()
             self._start()
@@ -319,6 +325,8 @@ class Sandbox:
             "tests": list(tests),
             "limits": self.cfg.limits(),
         }
+        if capture:
+            request["capture"] = int(capture)
         try:
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()
@@ -333,8 +341,13 @@ class Sandbox:
         passed = tuple(bool(p) for p in reply["passed"])
         if len(passed) != len(tests):
             passed = (False,) * len(tests)
+        output = reply.get("output", "")
         return RunResult(
-            passed, str(reply.get("status")), float(reply.get("seconds", 0.0)), reply.get("left", 0)
+            passed,
+            str(reply.get("status")),
+            float(reply.get("seconds", 0.0)),
+            reply.get("left", 0),
+            output if isinstance(output, str) else "",
         )
 
     def close(self) -> None:

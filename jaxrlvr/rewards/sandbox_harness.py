@@ -2,7 +2,8 @@
 
 ``sandbox.Sandbox`` starts this file once per sandbox (``python -I -S sandbox_harness.py``) and
 keeps it warm: it reads one JSON request per line on stdin and answers one JSON line on stdout.
-A request is ``{"program", "setup", "tests", "limits"}``; each test is ``{"expr": src}`` (a value
+A request is ``{"program", "setup", "tests", "limits"}`` (and optionally ``"capture": N``); each
+test is ``{"expr": src}`` (a value
 test: the program's process evaluates ``src`` and sends back the value, which *this* process
 compares with the expected value it kept to itself) or ``{"stmt": src}`` (a statement test: it
 passes when it runs without raising).
@@ -11,7 +12,11 @@ Per program the harness forks a child that puts itself in a new session, sets it
 time, address space, processes, open files, file size, no core files), and, when the harness runs
 as root (inside bubblewrap, in its own pid, network, ipc and mount namespaces), drops to a uid of
 its own that owns nothing but its private working directory. Its stdin/stdout/stderr are
-/dev/null: printed text never reaches any grader. It reports to the harness over a pipe, one
+/dev/null: printed text never reaches any grader, unless the request asks for ``capture`` (the
+tool-use environments run code for its output): then stdout and stderr go to a file in the
+program's working directory (bounded by the file-size limit), a program that raises gets the
+exception's last line written there as Python would print it, and the reply carries the first
+``capture`` bytes as ``output``. It reports to the harness over a pipe, one
 line per event. The harness (the trusted side) owns the clock: a test that runs past
 ``test_timeout_s`` or a program past ``program_timeout_s`` is cut off; then every process left
 in the namespace except the harness and pid 1 is SIGKILLed (daemons, fork-bomb children,
@@ -37,6 +42,7 @@ import time
 WORK_ROOT = os.environ.get("JAXRLVR_SANDBOX_WORK", "/tmp")
 UIDS_PER_HARNESS = 100
 MAX_REPORT_BYTES = 1 << 20
+OUTPUT_FILE = ".jaxrlvr_output"
 _PLAIN_SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
 
@@ -78,8 +84,13 @@ def _child(request: dict, report_fd: int, uid: int | None, workdir: str) -> None
     try:
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)
+        capture = bool(request.get("capture"))
+        out_fd = devnull
+        if capture:
+            out_fd = os.open(os.path.join(workdir, OUTPUT_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.dup2(devnull, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
         os.closerange(3, report_fd)
         os.closerange(report_fd + 1, 1 << 16)
         os.chdir(workdir)
@@ -91,7 +102,10 @@ def _child(request: dict, report_fd: int, uid: int | None, workdir: str) -> None
         env = {"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         os.environ.clear()
         os.environ.update(env)
-        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        if capture:  # line-buffered text on fd 1 (stderr shares it)
+            sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, closefd=False)
+        else:
+            sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     except BaseException:
         os._exit(3)
     write, dumps, type_, repr_ = os.write, json.dumps, type, repr
@@ -108,7 +122,13 @@ def _child(request: dict, report_fd: int, uid: int | None, workdir: str) -> None
         if request.get("setup"):
             namespace["__builtins__"] = dict(pristine)
             exec(compile(request["setup"], "<setup>", "exec"), namespace)
-    except BaseException:
+    except BaseException as exc:
+        if capture:  # what the interpreter would print last, for the tool's observation
+            try:
+                sys.stdout.write(f"{type_(exc).__name__}: {exc}\n")
+                sys.stdout.flush()
+            except BaseException:
+                pass
         send("program_error")
         os._exit(0)
     for i, test in enumerate(request["tests"]):
@@ -125,6 +145,10 @@ def _child(request: dict, report_fd: int, uid: int | None, workdir: str) -> None
                 send("ok", i)
         except BaseException:
             send("fail", i)
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
     os._exit(0)
 
 
@@ -248,8 +272,25 @@ def run_program(request: dict, serial: int, isolate: bool, uid_base: int) -> dic
     except ChildProcessError:
         pass
     left = _sweep(os.getpid()) if isolate else 0
+    reply = {"passed": passed, "status": status, "seconds": seconds, "left": left}
+    if request.get("capture"):
+        reply["output"] = _read_output(os.path.join(workdir, OUTPUT_FILE), int(request["capture"]))
     shutil.rmtree(workdir, ignore_errors=True)
-    return {"passed": passed, "status": status, "seconds": seconds, "left": left}
+    return reply
+
+
+def _read_output(path: str, limit: int) -> str:
+    """The first ``limit`` bytes a program printed (never following a link it planted)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, max(0, limit)).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
