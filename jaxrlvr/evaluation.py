@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrlvr import builders, distributed, export, placement, preflight
+from jaxrlvr import builders, compile_cache, distributed, export, placement, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
@@ -66,6 +66,7 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
     initial model when ``run_dir`` is None."""
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
+    compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
     placement.check_jax_devices(placement.place_trainer(cfg.sampler))  # vLLM's GPUs stay free
     mesh = model_lib.make_mesh(cfg.mesh)

@@ -36,7 +36,16 @@ import jax
 import yaml
 from flax import nnx
 
-from jaxrlvr import builders, distributed, evaluation, interrupt, phases, placement, preflight
+from jaxrlvr import (
+    builders,
+    compile_cache,
+    distributed,
+    evaluation,
+    interrupt,
+    phases,
+    placement,
+    preflight,
+)
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
@@ -321,6 +330,8 @@ class Trainer:
             "eval_history": loop.eval_history,
             "wall_s": wall_s,
             "checkpoints": os.path.abspath(self.ckpt.directory),
+            # XLA compiles and persistent-cache loads of this process so far (compile_cache).
+            "compile": compile_cache.process_counter().as_dict(),
         }
         if self.metrics is not None:
             self.metrics.write_summary(summary)
@@ -346,6 +357,8 @@ def run(
     Everything the run will read is checked first (``preflight``): an ``out_dir`` that already
     holds a run is refused unless ``resume`` (continue it) or ``overwrite`` (move it aside).
     """
+    compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
+    compile_cache.process_counter().start()
     placement.place_trainer(cfg.sampler)  # before jax.process_index() starts the backend
     distributed.initialize(cfg.distributed)  # likewise (a no-op for one process)
     cfg = preflight.check(

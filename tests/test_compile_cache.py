@@ -1,0 +1,82 @@
+"""compile_cache: the setting's directory; a second process loads what the first compiled."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxrlvr import compile_cache
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from jaxrlvr import compile_cache
+    compile_cache.enable(sys.argv[1])
+    counter = compile_cache.CompileCounter().start()
+    import jax, jax.numpy as jnp
+    jax.jit(lambda x: jnp.sin(x) * 2.0 + 1.0)(jnp.ones(7)).block_until_ready()
+    print(json.dumps(counter.as_dict()))
+    """
+)
+
+
+def _run(setting: str) -> dict:
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, setting], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_resolve_settings(tmp_path, monkeypatch):
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.resolve("auto") == str(tmp_path / "jaxrlvr" / "jax-compile")
+    assert compile_cache.resolve("off") is None and compile_cache.resolve("") is None
+    assert compile_cache.resolve(str(tmp_path / "c")) == str(tmp_path / "c")
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.resolve("auto") is None  # the env var turns "auto" off
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "e"))
+    assert compile_cache.resolve("auto") == str(tmp_path / "e")
+    assert compile_cache.resolve(str(tmp_path / "c")) == str(tmp_path / "c")  # explicit wins
+    with pytest.raises(ValueError, match="run.compile_cache"):
+        compile_cache.resolve(3)
+
+
+def test_second_process_loads_instead_of_compiling(tmp_path):
+    """The first process compiles the jitted function (and JAX's helper programs) and writes them;
+    a second process with the same directory compiles nothing and loads as many; with the cache
+    off every process compiles."""
+    directory = str(tmp_path / "cache")
+    first = _run(directory)
+    assert first["compiles"] >= 1 and first["cache_hits"] == 0
+    assert os.listdir(directory)
+    second = _run(directory)
+    assert second["compiles"] == 0
+    assert second["cache_hits"] == first["compiles"]
+    off = _run("off")
+    assert off["compiles"] == first["compiles"] and off["cache_hits"] == 0
+
+
+def test_enable_refuses_a_second_directory(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        from jaxrlvr import compile_cache
+        assert compile_cache.enable(sys.argv[1]) == sys.argv[1]
+        assert compile_cache.enable(sys.argv[1]) == sys.argv[1]  # same directory: a no-op
+        assert compile_cache.enable("off") is None
+        try:
+            compile_cache.enable(sys.argv[1] + "-other")
+        except ValueError as e:
+            print(e)
+        """
+    )
+    a = str(tmp_path / "a")
+    out = subprocess.run(
+        [sys.executable, "-c", script, a], capture_output=True, text=True, check=True
+    )
+    assert "already caches compiles in" in out.stdout and os.path.isdir(a)
