@@ -37,7 +37,11 @@ class RunConfig:
     seed: int = 0
     tensorboard: bool = True
     progress: bool = True
-    compile_cache: str = "auto"
+    compile_cache: str | bool = "auto"  # YAML's off/false read as False: the same as "off"
+
+    def __post_init__(self):
+        if isinstance(self.compile_cache, bool):
+            object.__setattr__(self, "compile_cache", "auto" if self.compile_cache else "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
