@@ -22,6 +22,31 @@ Output: ``OUT/loop.md`` (Markdown table) and ``OUT/loop.json`` (records, per-ste
 ``--json PATH`` for a copy of the records. ``--steps 20`` is the short mode; the default is the
 config's ``rl.steps`` (200 for the demo).
 
+The machine's fp32 matmul throughput (2048 x 2048, best of 10, JAX and torch, measured by this
+process before the rows) is recorded beside the systems' ratio: each row's update in model
+GFLOP/s (``ModelConfig.flops_per_token`` x the step's prompt + response tokens over the median
+update seconds) and its fraction of its own framework's matmul GFLOP/s, so a slow machine and a
+slow system read differently.
+
+``--whole-run`` compares the whole demo instead, SFT + GRPO + held-out evaluations, each system
+in a fresh process from the config's initial weights (jaxrlvr's random init from ``run.seed``,
+saved as a Hugging Face folder by this process; the jaxrlvr rows build the same weights from the
+seed, the TRL row loads the folder), so each pays its own imports and compiles:
+
+- ``jaxrlvr (first run)``: ``jaxrlvr train CONFIG`` as the README runs it, with a fresh,
+  empty compilation cache (``run.compile_cache=OUT/compile_cache``): every program compiled;
+- ``trl``: ``bench.trl_peer --whole-run``: TRL's ``SFTTrainer`` for ``sft.steps`` on the same
+  gold completions, then ``GRPOTrainer`` as in the step rows, with a held-out evaluation (HF
+  ``generate``, same problems, avg@k at the same temperature) after SFT and every ``eval.every``
+  GRPO steps, as jaxrlvr train evaluates; its final model is then evaluated by jaxrlvr's own
+  evaluation too, outside its wall time, for the accuracy column;
+- ``jaxrlvr (second run)``: the same command again, the cache now warm: no XLA compile.
+
+Reported per row: the process's wall time (start to the end of its own work), the SFT, GRPO and
+evaluation seconds, the median GRPO step, the compiles (count and seconds, jaxrlvr's
+``summary.json``), and held-out accuracy after SFT and at the end; the ratios TRL / jaxrlvr
+(first and second run) of wall time and of the median step, and first / second run.
+
 Left out: running rows concurrently (they would share the cores and each other's timings).
 """
 
@@ -169,6 +194,210 @@ def run_trl(
 RUNNERS = {"jaxrlvr": run_jaxrlvr, "trl": run_trl}
 
 
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> dict[str, float]:
+    """The machine's fp32 dense-matmul GFLOP/s, JAX's and torch's (best of ``repeats``)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    out["jax"] = 2 * n**3 / min(common.timed_calls(lambda: f(a, a).block_until_ready(), repeats))
+    try:
+        import torch
+    except ImportError:  # the TRL peer's extra is not installed: JAX's figure only
+        return {k: v / 1e9 for k, v in out.items()}
+    b = torch.randn(n, n)
+    torch.mm(b, b)
+    out["torch"] = 2 * n**3 / min(common.timed_calls(lambda: torch.mm(b, b), repeats))
+    return {k: v / 1e9 for k, v in out.items()}
+
+
+def update_gflop(config: str, sets: list[str]) -> dict[str, float]:
+    """What one GRPO update of the config computes, for ``_flops_rate``: the rollouts per step,
+    the mean rendered prompt tokens, and ``flops_per_token`` at rows of prompt + max_tokens."""
+    from jaxrlvr import builders
+    from jaxrlvr import config as config_lib
+
+    cfg = config_lib.load_config(config, list(sets))
+    tokenizer = builders.build_tokenizer(cfg)
+    problems, _ = builders.load_splits(cfg)
+    prompt = statistics.fmean(
+        len(builders.encode(tokenizer, builders.render(cfg, p, tokenizer))) for p in problems
+    )
+    model_cfg = builders.model_config(cfg, tokenizer)
+    return {
+        "rollouts": cfg.rl.prompts_per_step * cfg.rl.group_size,
+        "prompt_tokens": prompt,
+        "flops_per_token": model_cfg.flops_per_token(int(prompt + cfg.sampler.max_tokens)),
+    }
+
+
+def _flops_rate(rec: dict, shape: dict, gflops: dict[str, float]) -> None:
+    """Adds the update's model GFLOP/s and its fraction of the framework's matmul GFLOP/s."""
+    resp = rec["response_tokens"]
+    rollouts = shape["rollouts"]
+    mean_resp = statistics.fmean(resp) / rollouts if resp else 0.0
+    flop = rollouts * (shape["prompt_tokens"] + mean_resp) * shape["flops_per_token"]
+    upd = rec["summary"]["median_s"]["update"]
+    rec["update_gflops"] = flop / upd / 1e9 if upd > 0 else float("nan")
+    peak = gflops.get("torch" if rec["system"] == "trl" else "jax")
+    rec["update_fraction_of_matmul"] = rec["update_gflops"] / peak if peak else float("nan")
+
+
+def init_weights(config: str, sets: list[str], out: str) -> str:
+    """The config's initial model (the random init ``jaxrlvr train`` builds from ``run.seed``, or
+    ``model.path``'s weights) as a Hugging Face folder with the tokenizer."""
+    from jaxrlvr import builders
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import model as model_lib
+
+    cfg = config_lib.load_config(config, list(sets))
+    tokenizer = builders.build_tokenizer(cfg)
+    import jax
+
+    # One device: the values do not depend on the mesh (a test process may show 8 CPU devices).
+    model = builders.build_model(cfg, tokenizer, model_lib.make_mesh(None, jax.devices()[:1]))
+    path = os.path.join(out, "init_hf")
+    model_lib.save_hf(model, path, tokenizer_src=tokenizer)
+    return path
+
+
+def _whole_jaxrlvr(label: str, config: str, sets: list[str], out: str, cache: str) -> dict:
+    """``jaxrlvr train CONFIG`` as the README runs it, in its own process, compiling into (or
+    loading from) the compile cache ``cache``."""
+    run_dir = os.path.join(out, label)
+    overrides = [*sets, f"run.out_dir={run_dir}", "run.progress=false"]
+    overrides.append(f"run.compile_cache={cache}")
+    start = time.perf_counter()
+    _run(_cli("train", config, *overrides, "--overwrite"), run_dir + ".log", f"row {label}")
+    wall = time.perf_counter() - start
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    rl = [m for m in lines if "time/update_s" in m]
+    sft = [m["time/step_s"] for m in lines if "time/step_s" in m and "time/update_s" not in m]
+    rl_steps = [float(m["time/step_s"]) for m in rl]
+    return {
+        "label": label,
+        "system": "jaxrlvr",
+        "wall_s": wall,
+        "sft_s": sum(sft),
+        "grpo_s": sum(rl_steps),
+        "eval_s": None,  # inside wall_s; jaxrlvr logs no eval time of its own
+        "step_median_s": statistics.median(rl_steps),
+        "first_grpo_step_s": rl_steps[0],
+        "first_sft_step_s": sft[0] if sft else None,
+        "compile": summary.get("compile"),
+        "eval_after_sft": summary.get("eval_accuracy_after_sft"),
+        "eval_final": summary.get("eval_accuracy_final"),
+        "run_dir": run_dir,
+    }
+
+
+def _whole_trl(config: str, sets: list[str], init: str, out: str) -> dict:
+    """TRL's SFT + GRPO + evaluations (``trl_peer --whole-run``) in a fresh process."""
+    from jaxrlvr import config as config_lib
+
+    steps = config_lib.load_config(config, list(sets)).rl.steps
+    run_dir = os.path.join(out, "trl")
+    os.makedirs(run_dir, exist_ok=True)
+    record_path = os.path.join(run_dir, "record.json")
+    cmd = [sys.executable, "-m", "jaxrlvr.bench.trl_peer", config, "--model", init, "--whole-run"]
+    cmd += ["--steps", str(steps), "--out", run_dir, "--_out", record_path]
+    for x in sets:
+        cmd += ["--set", x]
+    start = time.time()
+    _run(cmd, run_dir + ".log", "row trl (whole run)")
+    with open(record_path) as f:
+        rec = json.load(f)
+    own = rec.get("own_evals", [])
+    return {
+        "label": "trl",
+        "system": "trl",
+        "wall_s": rec["work_end"] - start,
+        "sft_s": rec["phases_s"].get("sft", 0.0),
+        "grpo_s": sum(x["step"] for x in rec["steps"]),
+        "eval_s": rec["phases_s"].get("eval", 0.0),
+        "step_median_s": rec["median_step_s"],
+        "first_grpo_step_s": rec["steps"][0]["step"],
+        "first_sft_step_s": None,
+        "compile": None,
+        "eval_after_sft": next((e["accuracy"] for e in own if e["phase"] == "sft"), None),
+        "eval_final": rec["eval_final"],  # jaxrlvr's evaluation of TRL's final model
+        "eval_final_own": own[-1]["accuracy"] if own else None,
+        "run_dir": run_dir,
+    }
+
+
+def whole_run(config: str, sets: list[str], out: str) -> tuple[list[dict], dict]:
+    """jaxrlvr (fresh compile cache), TRL, jaxrlvr again (warm cache): the whole demo each."""
+    init = init_weights(config, sets, out)
+    cache = os.path.join(out, "compile_cache")
+    if os.path.exists(cache):
+        raise common.WorkerError(f"{cache} exists: the first run needs an empty compile cache")
+    records = []
+    for label in ("jaxrlvr_first", "trl", "jaxrlvr_second"):
+        print(f"[bench loop --whole-run] {label} ...", file=sys.stderr, flush=True)
+        if label == "trl":
+            records.append(_whole_trl(config, sets, init, out))
+        else:
+            records.append(_whole_jaxrlvr(label, config, sets, out, cache))
+    first, trl, second = records
+    ratios = {
+        "trl_over_first_wall": trl["wall_s"] / first["wall_s"],
+        "trl_over_second_wall": trl["wall_s"] / second["wall_s"],
+        "first_over_second_wall": first["wall_s"] / second["wall_s"],
+        "trl_over_first_median_step": trl["step_median_s"] / first["step_median_s"],
+        "trl_over_second_median_step": trl["step_median_s"] / second["step_median_s"],
+        "accuracy_first_minus_trl": first["eval_final"] - trl["eval_final"],
+        "accuracy_second_minus_trl": second["eval_final"] - trl["eval_final"],
+    }
+    return records, {"init": init, "ratios": ratios}
+
+
+def whole_markdown(records: list[dict], meta: dict) -> str:
+    """The whole-run table and its ratios."""
+    fmt = lambda x, f=".1f": "-" if x is None else format(x, f)
+    lines = [
+        "| row | wall (s) | SFT (s) | GRPO steps (s) | evals (s) | GRPO step median (s) "
+        "| first GRPO step (s) | XLA compiles (n / s) | cache loads (n / s) "
+        "| held-out acc after SFT -> final |",
+        "|" + "---|" * 10,
+    ]
+    for r in records:
+        c = r.get("compile") or {}
+        comp = f"{c['compiles']} / {c['compile_s']:.1f}" if c else "-"
+        hits = f"{c['cache_hits']} / {c['cache_load_s']:.1f}" if c else "-"
+        lines.append(
+            f"| {r['label']} | {r['wall_s']:.1f} | {r['sft_s']:.1f} | {r['grpo_s']:.1f} "
+            f"| {fmt(r['eval_s'])} | {r['step_median_s']:.3f} | {r['first_grpo_step_s']:.2f} "
+            f"| {comp} | {hits} | {fmt(r['eval_after_sft'], '.3f')} -> "
+            f"{r['eval_final']:.3f} |"
+        )
+    q = meta["ratios"]
+    lines.append(
+        f"\nWhole run, TRL / jaxrlvr: {q['trl_over_first_wall']:.2f}x (first run), "
+        f"{q['trl_over_second_wall']:.2f}x (second run); median GRPO step "
+        f"{q['trl_over_first_median_step']:.2f}x / {q['trl_over_second_median_step']:.2f}x; "
+        f"first / second run {q['first_over_second_wall']:.2f}x; held-out accuracy "
+        f"jaxrlvr - TRL {q['accuracy_first_minus_trl']:+.3f} / "
+        f"{q['accuracy_second_minus_trl']:+.3f}."
+    )
+    g = meta["matmul_gflops"]
+    lines.append(
+        "\nMachine fp32 matmul (2048^2): "
+        + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in g.items())
+        + f"; config {meta['config']} {' '.join(meta['sets'])}; {meta['machine']}; load average "
+        f"before/after {meta['load_before']} / {meta['load_after']}. TRL's wall ends with its "
+        "own work (its final model's jaxrlvr evaluation for the accuracy column runs after); "
+        "TRL's evals column is its HF-generate evaluations, jaxrlvr's are inside its wall."
+    )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(records: list[dict], meta: dict) -> str:
     """The table: one row per system, median seconds per phase and the headline numbers."""
     head = (
@@ -197,6 +426,18 @@ def markdown(records: list[dict], meta: dict) -> str:
                     f"({med:.2f}x on median steps), held-out accuracy "
                     f"{r['eval_final'] - base['eval_final']:+.3f}"
                 )
+    g = meta.get("matmul_gflops") or {}
+    if g:
+        lines.append(
+            "\nMachine fp32 matmul (2048^2): "
+            + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in g.items())
+            + "; update model GFLOP/s (fraction of its framework's matmul): "
+            + ", ".join(
+                f"{r['label']} {r['update_gflops']:.0f} ({r['update_fraction_of_matmul']:.2f})"
+                for r in records
+                if "update_gflops" in r
+            )
+        )
     lines.append(
         f"\n{meta['steps']} GRPO steps from the same warm start ({meta['warm_start']}), "
         f"config {meta['config']} {' '.join(meta['sets'])}; seconds are medians per step; "
@@ -245,7 +486,15 @@ def main(argv=None) -> int:
         help="jaxrlvr rows: held-out evaluation every N steps, for learning curves (default: "
         "start and end only)",
     )
+    p.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="the whole demo (SFT + GRPO + evals) of jaxrlvr (fresh compile cache), TRL, and "
+        "jaxrlvr again (warm cache), each in a fresh process from the same initial weights",
+    )
     args = p.parse_args(argv)
+    if args.whole_run:
+        return _main_whole(p, args)
     chosen = common.comma_list(p, "--systems", args.systems, SYSTEMS)
     rows = [r for r in ROWS if r.system in chosen] + [_parse_row(p, t) for t in args.row]
     if args.sampler:
@@ -264,12 +513,15 @@ def main(argv=None) -> int:
     out = args.out or tempfile.mkdtemp(prefix="jaxrlvr-bench-loop-")
     os.makedirs(out, exist_ok=True)
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    gflops = matmul_gflops()
+    shape = update_gflop(args.config, args.set)
     warm = args.warm_start or warm_start(args.config, args.set, out)
     records = []
     for row in rows:
         print(f"[bench loop] {row.label}: {steps} steps ...", file=sys.stderr, flush=True)
         rec = RUNNERS[row.system](row, args.config, args.set, warm, steps, out, args.eval_every)
         rec["summary"] = _summary(rec["steps"], rec["response_tokens"])
+        _flops_rate(rec, shape, gflops)
         records.append(rec)
     # Every row starts from the same weights, evaluated the same way: the jaxrlvr rows' start
     # accuracy is the warm start's, and the TRL rows take it from them.
@@ -284,6 +536,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "load_before": load_before,
         "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "matmul_gflops": gflops,
     }
     table = markdown(records, meta)
     with open(os.path.join(out, "loop.md"), "w") as f:
@@ -293,6 +546,38 @@ def main(argv=None) -> int:
     common.save_json(args.json, result)
     print(table)
     print(f"[bench loop] wrote {out}/loop.md and loop.json", file=sys.stderr)
+    return 0
+
+
+def _main_whole(p, args) -> int:
+    """``--whole-run``: the three whole-demo rows, their table and ratios."""
+    if args.row or args.warm_start or args.steps or args.sampler or args.eval_every:
+        p.error("--whole-run runs the config as it is: no --row, --warm-start, --steps, "
+                "--sampler or --eval-every (use --set)")  # fmt: skip
+    from jaxrlvr import config as config_lib
+
+    config_lib.load_config(args.config, list(args.set))  # bad keys: one line, up front
+    out = args.out or tempfile.mkdtemp(prefix="jaxrlvr-bench-whole-")
+    os.makedirs(out, exist_ok=True)
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    gflops = matmul_gflops()
+    records, meta = whole_run(args.config, list(args.set), out)
+    meta.update(
+        config=args.config,
+        sets=list(args.set),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores",
+        load_before=load_before,
+        load_after=" ".join(f"{x:.1f}" for x in os.getloadavg()),
+        matmul_gflops=gflops,
+    )
+    table = whole_markdown(records, meta)
+    with open(os.path.join(out, "whole_run.md"), "w") as f:
+        f.write(table)
+    result = {"meta": meta, "records": records}
+    common.save_json(os.path.join(out, "whole_run.json"), result)
+    common.save_json(args.json, result)
+    print(table)
+    print(f"[bench loop] wrote {out}/whole_run.md and whole_run.json", file=sys.stderr)
     return 0
 
 

@@ -49,6 +49,12 @@ def _args(argv=None):
     p.add_argument("--out", required=True, help="directory for the final model")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="the whole demo: TRL SFT (sft.steps) from --model, then GRPO, with held-out "
+        "evaluations after SFT and every eval.every GRPO steps (HF generate)",
+    )
     p.add_argument("--_out", required=True)
     return p.parse_args(argv)
 
@@ -76,6 +82,100 @@ def _timed(timers: _Timers, name: str, fn, *, only_outside_loss: bool = False):
             timers.add(name, time.perf_counter() - start)
 
     return wrapper
+
+
+def hf_evaluate(cfg, model, tokenizer, eval_problems, grade, stop_ids) -> float:
+    """Held-out accuracy the way a TRL user measures it: HF ``generate`` on the first
+    ``eval.max_problems`` held-out prompts (left-padded, one batch), ``eval.samples_per_problem``
+    samples each at ``sampler.eval_temperature``, at most the eval token budget, graded by the
+    config's verifier; the mean answer reward (avg@k), as ``evaluation.evaluate`` reports."""
+    import torch
+
+    from jaxrlvr import builders
+
+    problems = eval_problems[: cfg.eval.max_problems]
+    n, s = cfg.eval.samples_per_problem, cfg.sampler
+    prompts = [builders.encode(tokenizer, builders.render(cfg, p, tokenizer)) for p in problems]
+    width = max(len(x) for x in prompts)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=s.eval_temperature,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=s.eval_max_tokens or s.max_tokens,
+            num_return_sequences=n,
+            eos_token_id=stop_ids,
+            pad_token_id=pad,
+        )
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    truths = [p.answer for p in problems for _ in range(n)]
+    return statistics.fmean(float(grade(t, a)["answer_reward"]) for t, a in zip(texts, truths))
+
+
+def sft(cfg, model, tokenizer, problems, out: str):
+    """The config's SFT warm start with TRL's ``SFTTrainer``: the gold completions
+    (``data.gold_format``) of the training problems as prompt-completion pairs (loss on the
+    completion and its EOS, TRL's default for such data), ``sft.steps`` steps of
+    ``sft.batch_size``, AdamW with ``sft.optim`` (warmup then constant or cosine), clip norm."""
+    import datasets
+    import trl
+
+    from jaxrlvr import builders
+    from jaxrlvr.data import templates
+
+    o = cfg.sft.optim
+    rows = [
+        {
+            "prompt": builders.render(cfg, p, tokenizer),
+            "completion": templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
+        }
+        for p in problems
+    ]
+    scfg = trl.SFTConfig(
+        output_dir=os.path.join(out, "sft"),
+        per_device_train_batch_size=cfg.sft.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=cfg.sft.steps,
+        learning_rate=o.learning_rate,
+        lr_scheduler_type="cosine_with_min_lr"
+        if o.schedule == "cosine"
+        else "constant_with_warmup",
+        warmup_steps=o.warmup_steps,
+        adam_beta1=o.b1,
+        adam_beta2=o.b2,
+        adam_epsilon=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm or 0.0,
+        max_length=model.config.max_position_embeddings,
+        packing=False,
+        logging_steps=50,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.run.seed,
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if o.schedule == "cosine":
+        scfg.lr_scheduler_kwargs = {"min_lr_rate": o.final_lr_ratio}
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=scfg,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return model
 
 
 def main(argv=None) -> int:
@@ -110,6 +210,23 @@ def main(argv=None) -> int:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) == 1:
             stop_ids.append(ids[0])
+    evals: list[dict] = []
+    phase_s: dict[str, float] = {}
+    if args.whole_run:
+        eval_problems = builders.load_splits(cfg, train=False)[1]
+        torch.manual_seed(cfg.run.seed)
+
+        def run_eval(phase: str, step: int) -> None:
+            t = time.perf_counter()
+            acc = hf_evaluate(cfg, model, tokenizer, eval_problems, grade, stop_ids)
+            evals.append({"phase": phase, "step": step, "accuracy": acc})
+            phase_s["eval"] = phase_s.get("eval", 0.0) + time.perf_counter() - t
+
+        if cfg.sft.steps > 0:
+            t = time.perf_counter()
+            sft(cfg, model, tokenizer, problems, args.out)
+            phase_s["sft"] = time.perf_counter() - t
+            run_eval("sft", cfg.sft.steps)
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
@@ -218,9 +335,21 @@ def main(argv=None) -> int:
                 history.append(dict(logs))
 
     trainer.add_callback(Metrics())
+    if args.whole_run and cfg.eval.every:
+
+        class Evaluate(transformers.TrainerCallback):
+            """The held-out evaluation every ``eval.every`` GRPO steps and after the last, as
+            jaxrlvr train runs it (outside the step times, inside the run's wall time)."""
+
+            def on_step_end(self, _args, state, *_, **__):
+                if state.global_step % cfg.eval.every == 0 or state.global_step == args.steps:
+                    run_eval("rl", state.global_step)
+
+        trainer.add_callback(Evaluate())
     start = time.perf_counter()
     trainer.train()
-    phase_s = time.perf_counter() - start
+    phase_s["grpo"] = time.perf_counter() - start
+    work_end = time.time()  # the run's own work ends here (bench.loop's whole-run wall time)
 
     final_dir = os.path.join(args.out, "final_hf")
     model.save_pretrained(final_dir)
@@ -240,7 +369,10 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "steps": timers.steps,
-        "phase_s": phase_s,
+        "phase_s": phase_s["grpo"],
+        "phases_s": phase_s,
+        "own_evals": evals,
+        "work_end": work_end,
         "median_step_s": statistics.median(x["step"] for x in timers.steps),
         "response_tokens": [ln * rollouts for ln in lengths],
         "reward_mean": [h.get("reward") for h in history if "reward" in h],

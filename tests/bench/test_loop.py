@@ -59,3 +59,59 @@ def test_rows_take_their_overrides():
     assert row == loop.Row("k1", "jaxrlvr", ("rl.max_staleness=1", "sampler.kind=jax"))
     row = loop._parse_row(argparse.ArgumentParser(), "t:trl,rl.group_size=4")
     assert row.system == "trl" and row.overrides == ("rl.group_size=4",)
+
+
+@pytest.mark.slow
+def test_whole_run_three_fresh_processes(tmp_path):
+    """--whole-run: jaxrlvr with an empty compile cache, TRL's SFT + GRPO + evaluations, jaxrlvr
+    again: the second jaxrlvr process compiles nothing (every program it compiled the first time
+    is loaded from the cache) and reaches the same accuracy (same programs, same seeds)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "whole"
+    sets = [*TINY, "--set=rl.steps=2", "--set=eval.every=1", "--set=checkpoint.every=2"]
+    assert loop.main(["--whole-run", "--out", str(out), *sets]) == 0
+    result = json.loads((out / "whole_run.json").read_text())
+    first, trl, second = result["records"]
+    assert [first["label"], trl["label"], second["label"]] == [
+        "jaxrlvr_first",
+        "trl",
+        "jaxrlvr_second",
+    ]
+    assert first["compile"]["compiles"] > 0 and first["compile"]["cache_hits"] == 0
+    assert second["compile"]["compiles"] == 0
+    assert second["compile"]["cache_hits"] == first["compile"]["compiles"]
+    assert second["eval_final"] == first["eval_final"]
+    assert second["eval_after_sft"] == first["eval_after_sft"]
+    for r in (first, trl, second):
+        assert r["wall_s"] > 0 and r["sft_s"] > 0 and r["grpo_s"] > 0
+        assert 0.0 <= r["eval_final"] <= 1.0 and 0.0 <= r["eval_after_sft"] <= 1.0
+    # TRL evaluated after SFT and after each of its 2 GRPO steps (eval.every=1), as jaxrlvr does.
+    own = json.loads((out / "trl" / "record.json").read_text())["own_evals"]
+    assert [(e["phase"], e["step"]) for e in own] == [("sft", 8), ("rl", 1), ("rl", 2)]
+    ratios = result["meta"]["ratios"]
+    assert ratios["trl_over_first_wall"] == pytest.approx(trl["wall_s"] / first["wall_s"])
+    assert set(result["meta"]["matmul_gflops"]) == {"jax", "torch"}
+    assert "Whole run, TRL / jaxrlvr" in (out / "whole_run.md").read_text()
+
+
+def test_init_weights_are_the_runs_random_init(tmp_path):
+    """The TRL row's initial weights (the folder init_weights writes) are the ones jaxrlvr train
+    builds from run.seed: loaded back, every parameter equal (exact: a float32 round trip)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxrlvr import builders
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import model as model_lib
+
+    path = loop.init_weights("configs/demo.yaml", [], str(tmp_path))
+    cfg = config_lib.load_config("configs/demo.yaml", [])
+    tok = builders.build_tokenizer(cfg)
+    mesh = model_lib.make_mesh(None, jax.devices()[:1])
+    ours = nnx.state(builders.build_model(cfg, tok, mesh), nnx.Param)
+    loaded = nnx.state(model_lib.load_hf(path, mesh=mesh), nnx.Param)
+    a, b = jax.tree.leaves(ours), jax.tree.leaves(loaded)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
