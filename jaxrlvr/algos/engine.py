@@ -54,7 +54,7 @@ from flax import nnx
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import policy_loss
 from jaxrlvr.algos import state as state_lib
-from jaxrlvr.model import grad_sink, sharding
+from jaxrlvr.model import grad_sink, lora, sharding
 from jaxrlvr.model import logprobs as logprobs_lib
 
 _f32 = jnp.float32
@@ -313,11 +313,13 @@ def finish_update(
         out["value_grad_norm"] = value_grad_norm
 
     def step(state):
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # With LoRA adapters only they are optimised; the frozen base is joined back unchanged.
+        trainable, join = lora.split_trainable(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
         new_rng, _ = jax.random.split(state.rng)
         new = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=join(optax.apply_updates(trainable, updates)),
             opt_state=opt_state,
             rng=new_rng,
         )
@@ -375,8 +377,22 @@ def make_update(
             raise ValueError("this update trains a critic but the state has no value_params")
         rows, consts = full_batch(batch)
         mbs = split_microbatches(rows, spec.num_microbatches, mesh)
-        diff = state.params if value_tx is None else (state.params, state.value_params)
-        grads, metrics = accumulate_gradients(lambda p, mb: loss_fn(p, mb, consts), diff, mbs)
+        # With LoRA adapters (``model.lora``) only they are differentiated; the loss sees them
+        # joined with the frozen base, under a per-microbatch dropout key.
+        trainable, join = lora.split_trainable(state.params)
+        diff = trainable if value_tx is None else (trainable, state.value_params)
+        if lora.has_adapters(state.params):
+            keys = jax.random.split(jax.random.fold_in(state.rng, 1), spec.num_microbatches)
+
+            def lora_loss(p, mb_key):
+                mb, key = mb_key
+                full = join(p) if value_tx is None else (join(p[0]), p[1])
+                with lora.dropout_rng(key):
+                    return loss_fn(full, mb, consts)
+
+            grads, metrics = accumulate_gradients(lora_loss, diff, (mbs, keys))
+        else:
+            grads, metrics = accumulate_gradients(lambda p, mb: loss_fn(p, mb, consts), diff, mbs)
         value_grads = None
         if value_tx is not None:
             grads, value_grads = grads

@@ -20,12 +20,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxrlvr.model import lora
+
 
 @struct.dataclass
 class TrainState:
     """step: int32 scalar, the number of applied optimiser updates (a non-finite step is not
     counted); params: policy ``nnx.State``; opt_state: the optax state of ``params``; rng: a PRNG
-    key (uint32 [2]), advanced on every applied update; value_params / value_opt_state: the PPO
+    key (uint32 [2]), advanced on every applied update (with LoRA adapters in ``params``,
+    ``opt_state`` covers only them: ``model.lora.split_trainable``); value_params /
+    value_opt_state: the PPO
     critic (``value.init_value_head``, or ``value.init_value_model`` for a separate value model)
     and its optax state, None otherwise; ref_params: the frozen reference policy (same tree as
     ``params``) for KL penalties, None otherwise."""
@@ -74,7 +78,7 @@ class TrainState:
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(lora.trainable(params)),
             rng=jnp.asarray(rng),
             value_params=value_params,
             value_opt_state=None if value_params is None else value_tx.init(value_params),

@@ -20,6 +20,8 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from jaxrlvr.model.lora import LoRAConfig
+
 DType = Literal["float32", "bfloat16"]
 DTYPES: tuple[str, ...] = get_args(DType)
 # What ``dtype_name`` accepts: a name ("float32", "bf16"), or a NumPy, JAX, ml_dtypes or torch dtype
@@ -73,6 +75,10 @@ class ModelConfig:
     CPU, at ~1.5x the compile time (MaxText's ``scan_layers`` makes the same trade). Calls with a
     KV cache always scan. Neither choice changes parameters, checkpoints or results.
 
+    ``lora``: low-rank adapters on the projections (``model.lora.LoRAConfig``): the model then
+    carries float32 ``LoRAParam`` leaves beside the kernels and only they are trained; None: a
+    plain model. Not part of config.json (adapters are saved in PEFT's layout, ``model.peft``).
+
     ``dtype`` (compute) and ``param_dtype`` (storage) accept any spelling ``dtype_name`` does
     (``jnp.bfloat16``, ``np.float32``, ``"bf16"``...) and hold its canonical name afterwards.
     """
@@ -93,6 +99,7 @@ class ModelConfig:
     param_dtype: DType = "float32"
     remat: bool = False
     scan_layers: bool = True
+    lora: LoRAConfig | None = None
     hf_config: Mapping[str, Any] | None = dataclasses.field(
         default=None, compare=False, repr=False, hash=False
     )
@@ -121,6 +128,8 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ConfigError(f"model.lora={self.lora!r}: expected a LoRAConfig or None")
         if self.head_dim % 2:
             raise ConfigError(f"model head_dim={self.head_dim} must be even for rotary embeddings")
 

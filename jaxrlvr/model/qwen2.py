@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrlvr.model import grad_sink, sharding
+from jaxrlvr.model import grad_sink, lora, sharding
 from jaxrlvr.model.config import ModelConfig
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -58,9 +58,25 @@ class RMSNorm(nnx.Module):
 
 
 class Projection(nnx.Module):
-    """A dense kernel of any shape (``kernel`` and optional ``bias``), used through einsum."""
+    """A dense kernel of any shape (``kernel`` and optional ``bias``), used through einsum.
 
-    def __init__(self, kernel_shape, kernel_axes, bias_shape, bias_axes, *, cfg, rngs, stack):
+    With ``name`` among ``cfg.lora.targets``: float32 adapters ``lora_a`` [*in, r] and ``lora_b``
+    [r, *out] (``lora.LoRAParam``, the kernel's logical axes, the rank axis replicated);
+    ``num_in`` is how many leading kernel axes are inputs."""
+
+    def __init__(
+        self,
+        kernel_shape,
+        kernel_axes,
+        bias_shape,
+        bias_axes,
+        *,
+        cfg,
+        rngs,
+        stack,
+        name=None,
+        num_in=1,
+    ):
         lead, lead_axes = ((stack,), ("layers",)) if stack else ((), ())
         dtype = cfg.storage_dtype
         self.kernel = _param(
@@ -72,6 +88,22 @@ class Projection(nnx.Module):
             )
         else:
             self.bias = None
+        if cfg.lora is not None and name in cfg.lora.targets:
+            r = cfg.lora.rank
+            in_shape, out_shape = tuple(kernel_shape[:num_in]), tuple(kernel_shape[num_in:])
+            in_axes, out_axes = kernel_axes[:num_in], kernel_axes[num_in:]
+            a_shape = lead + in_shape + (r,)
+            self.lora_a = lora.LoRAParam(
+                lora.init_a(lora.init_key(rngs, name), a_shape, num_in),
+                logical_axes=lead_axes + in_axes + (None,),
+            )
+            self.lora_b = lora.LoRAParam(
+                jnp.zeros(lead + (r,) + out_shape, jnp.float32),
+                logical_axes=lead_axes + (None,) + out_axes,
+            )
+        else:
+            self.lora_a = None
+            self.lora_b = None
 
 
 class Qwen2Attention(nnx.Module):
@@ -79,24 +111,41 @@ class Qwen2Attention(nnx.Module):
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kw = dict(cfg=cfg, rngs=rngs, stack=stack)
         self.q_proj = Projection(
-            (d, n, h), ("embed", "heads", "head_dim"), (n, h), ("heads", "head_dim"), **kw
+            (d, n, h),
+            ("embed", "heads", "head_dim"),
+            (n, h),
+            ("heads", "head_dim"),
+            **kw,
+            name="q_proj",
         )
         self.k_proj = Projection(
-            (d, k, h), ("embed", "kv_heads", "head_dim"), (k, h), ("kv_heads", "head_dim"), **kw
+            (d, k, h),
+            ("embed", "kv_heads", "head_dim"),
+            (k, h),
+            ("kv_heads", "head_dim"),
+            **kw,
+            name="k_proj",
         )
         self.v_proj = Projection(
-            (d, k, h), ("embed", "kv_heads", "head_dim"), (k, h), ("kv_heads", "head_dim"), **kw
+            (d, k, h),
+            ("embed", "kv_heads", "head_dim"),
+            (k, h),
+            ("kv_heads", "head_dim"),
+            **kw,
+            name="v_proj",
         )
-        self.o_proj = Projection((n, h, d), ("heads", "head_dim", "embed"), None, None, **kw)
+        self.o_proj = Projection(
+            (n, h, d), ("heads", "head_dim", "embed"), None, None, **kw, name="o_proj", num_in=2
+        )
 
 
 class Qwen2MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         kw = dict(cfg=cfg, rngs=rngs, stack=stack)
-        self.gate_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw)
-        self.up_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw)
-        self.down_proj = Projection((f, d), ("mlp", "embed"), None, None, **kw)
+        self.gate_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw, name="gate_proj")
+        self.up_proj = Projection((d, f), ("embed", "mlp"), None, None, **kw, name="up_proj")
+        self.down_proj = Projection((f, d), ("mlp", "embed"), None, None, **kw, name="down_proj")
 
 
 class Qwen2DecoderLayers(nnx.Module):
@@ -274,27 +323,52 @@ def _project_qkv(attn: Qwen2Attention, cfg, h):
 
 
 def _decoder_layer(
-    layer: Qwen2DecoderLayers, cfg, x, cos, sin, mask_bts, k_cache, v_cache, cache_index, mesh
+    layer: Qwen2DecoderLayers,
+    cfg,
+    x,
+    cos,
+    sin,
+    mask_bts,
+    k_cache,
+    v_cache,
+    cache_index,
+    mesh,
+    dropout_key=None,
 ):
     """One decoder layer on per-layer parameters (``layer`` holds one slice of the stack).
 
     Projections that read the same input run as one matmul: q/k/v (when ``_fuse_qkv``) and
-    gate/up (kernels stacked as [D, 2, F], the sharded ``mlp`` axis untouched).
+    gate/up (kernels stacked as [D, 2, F], the sharded ``mlp`` axis untouched). LoRA adapters
+    add ``scale * (x A) B`` to their projection's output (``lora.delta``); ``dropout_key`` (this
+    layer's, training only) drops the adapter path's inputs.
     """
     dtype = cfg.compute_dtype
     attn, mlp = layer.self_attn, layer.mlp
 
-    def proj(p, y):
-        """y [B, T, *in] @ kernel [*in, *out] -> [B, T, *out] (+ bias)."""
+    def adapter(p, y, index):
+        """The projection's LoRA term, or None without adapters."""
+        if p.lora_a is None:
+            return None
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        return lora.delta(p.lora_a.get_value(), p.lora_b.get_value(), y, cfg.lora, dtype, key)
+
+    def plus(out, p, y, index):
+        d = adapter(p, y, index)
+        return out if d is None else out + d
+
+    def proj(p, y, index):
+        """y [B, T, *in] @ kernel [*in, *out] -> [B, T, *out] (+ bias) (+ LoRA)."""
         kernel = p.kernel.get_value().astype(dtype)
         out = dense(y, kernel, y.ndim - 2)
-        return out if p.bias is None else out + p.bias.get_value().astype(dtype)
+        out = out if p.bias is None else out + p.bias.get_value().astype(dtype)
+        return plus(out, p, y, index)
 
     h = layer.input_layernorm(x)
     if _fuse_qkv(mesh, cfg):
         q, k, v = _project_qkv(attn, cfg, h)
+        q, k, v = plus(q, attn.q_proj, h, 0), plus(k, attn.k_proj, h, 1), plus(v, attn.v_proj, h, 2)
     else:
-        q, k, v = proj(attn.q_proj, h), proj(attn.k_proj, h), proj(attn.v_proj, h)
+        q, k, v = proj(attn.q_proj, h, 0), proj(attn.k_proj, h, 1), proj(attn.v_proj, h, 2)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), mesh)
     if k_cache is not None:
@@ -309,22 +383,38 @@ def _decoder_layer(
         v_cache = sharding.constrain(v_cache, CACHE_V_AXES, mesh)
         k, v = k_cache.astype(dtype), v_cache.astype(dtype)
     out = grouped_attention(q, k, v, mask_bts, cache_layout=k_cache is not None)
-    x = x + proj(attn.o_proj, out)
+    x = x + proj(attn.o_proj, out, 3)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 
     h = layer.post_attention_layernorm(x)
     gate_up = jnp.stack([mlp.gate_proj.kernel.get_value(), mlp.up_proj.kernel.get_value()], axis=1)
     gate_up = dense(h, gate_up.astype(dtype), 1)
-    act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    gate, up = (
+        plus(gate_up[:, :, 0], mlp.gate_proj, h, 4),
+        plus(gate_up[:, :, 1], mlp.up_proj, h, 5),
+    )
+    act = jax.nn.silu(gate) * up
     act = sharding.constrain(act, ("batch", "seq", "mlp"), mesh)
-    x = x + proj(mlp.down_proj, act)
+    x = x + proj(mlp.down_proj, act, 6)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
     return x, k_cache, v_cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _run_layers(
-    graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, k_cache, v_cache, cache_index, grad_acc
+    graphdef,
+    cfg,
+    mesh,
+    stacked,
+    x,
+    cos,
+    sin,
+    mask_bts,
+    k_cache,
+    v_cache,
+    cache_index,
+    grad_acc,
+    dropout_keys=None,
 ):
     """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
     ``cfg.scan_layers`` is False. With ``grad_acc`` (accumulators claimed from a
@@ -336,16 +426,21 @@ def _run_layers(
 
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
-    an outer ``jit`` it is simply inlined.
+    an outer ``jit`` it is simply inlined. ``dropout_keys`` [L, 2]: each layer's LoRA dropout key
+    (training with ``lora.dropout`` > 0 only), scanned beside the layers.
     """
 
     def body(x, xs):
-        layer_state, k_l, v_l = xs
+        layer_state, k_l, v_l, key_l = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, k_l, v_l = _decoder_layer(layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh)
+        x, k_l, v_l = _decoder_layer(
+            layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh, key_l
+        )
         return x, (k_l, v_l)
 
     if grad_acc is not None:
+        if dropout_keys is not None:
+            raise ValueError("LoRA dropout is not supported with in-place gradient accumulation")
 
         def layer_fn(layer_state, h, consts):
             layer = nnx.merge(graphdef, layer_state)
@@ -359,16 +454,19 @@ def _run_layers(
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     if k_cache is None:
         if cfg.scan_layers:
-            return jax.lax.scan(body, x, (stacked, None, None))
+            return jax.lax.scan(body, x, (stacked, None, None, dropout_keys))
     elif cfg.scan_layers and x.shape[1] > 1:
         # Prefill: scan over the caches stacked for the occasion (one copy per call).
-        x, (k_new, v_new) = jax.lax.scan(body, x, (stacked, jnp.stack(k_cache), jnp.stack(v_cache)))
+        x, (k_new, v_new) = jax.lax.scan(
+            body, x, (stacked, jnp.stack(k_cache), jnp.stack(v_cache), dropout_keys)
+        )
         return x, (tuple(k_new), tuple(v_new))
     # Unrolled: the same body on static slices of the stack and each layer's own cache.
     k_out, v_out = [], []
     for i in range(cfg.num_hidden_layers):
         kv = (None, None) if k_cache is None else (k_cache[i], v_cache[i])
-        x, (k_l, v_l) = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), *kv))
+        key_i = None if dropout_keys is None else dropout_keys[i]
+        x, (k_l, v_l) = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), *kv, key_i))
         k_out.append(k_l)
         v_out.append(v_l)
     return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out))
@@ -451,8 +549,24 @@ class Qwen2ForCausalLM(nnx.Module):
         # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack.
         fused = cache is None and cfg.scan_layers and cfg.remat
         grad_acc = grad_sink.claim(stacked) if fused else None
+        # LoRA dropout: only inside an update's ``lora.dropout_rng`` block (training forward).
+        key = lora.current_dropout_rng()
+        dropout_keys = None
+        if key is not None and cache is None and cfg.lora is not None and cfg.lora.dropout > 0:
+            dropout_keys = jax.random.split(key, cfg.num_hidden_layers)
         x, (k_new, v_new) = _run_layers(
-            graphdef, cfg, mesh, stacked, x, cos, sin, mask_bts, *kv_in, cache_index, grad_acc
+            graphdef,
+            cfg,
+            mesh,
+            stacked,
+            x,
+            cos,
+            sin,
+            mask_bts,
+            *kv_in,
+            cache_index,
+            grad_acc,
+            dropout_keys,
         )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)

@@ -32,8 +32,10 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxrlvr.model import lora as lora_lib
 from jaxrlvr.model import sharding
 from jaxrlvr.model.config import ConfigError, DTypeLike, ModelConfig, dtype_name
+from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.qwen2 import Qwen2ForCausalLM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -308,6 +310,8 @@ def load_hf(
     mesh=None,
     remat: bool = False,
     scan_layers: bool = True,
+    lora: LoRAConfig | None = None,
+    lora_seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """Loads a Hugging Face Qwen2 checkpoint directory into a ``Qwen2ForCausalLM``.
 
@@ -318,6 +322,9 @@ def load_hf(
       param_dtype: storage dtype of the parameters (the same choices).
       mesh: a ('data', 'fsdp', 'tensor') mesh; parameters are placed with their rule-derived
         shardings, each device receiving only its shard. None: the default device.
+      lora: add fresh low-rank adapters (``model.lora``; A random from ``lora_seed``, B zero, so
+        the model computes the checkpoint's function); ``model.peft.load_adapter`` loads saved
+        ones.
 
     Raises:
       ConfigError: a bad argument (named in the message, e.g. ``load_hf(dtype=...)``).
@@ -333,7 +340,12 @@ def load_hf(
         raise CheckpointError(f"{path}: missing config.json")
     try:
         cfg = ModelConfig.from_json(
-            path, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers
+            path,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+            scan_layers=scan_layers,
+            lora=lora,
         )
     except ConfigError as e:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
@@ -373,8 +385,28 @@ def load_hf(
         for key in entry.path:
             var = var[key]
         params_by_path[entry.path] = var.replace(build(entry, var))
+    if cfg.lora is not None:
+        params_by_path.update(nnx.to_flat_state(init_adapters(cfg, seed=lora_seed, mesh=mesh)))
 
     return nnx.merge(graphdef, nnx.from_flat_state(params_by_path))
+
+
+def init_adapters(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> nnx.State:
+    """Fresh ``LoRAParam`` leaves of a model with ``cfg.lora`` (A from ``seed``'s ``lora``
+    stream, B zero), sharded like the kernels when ``mesh`` is given. One jitted program: the
+    random base it builds beside them is dead code and never computed."""
+
+    @jax.jit
+    def create():
+        model = Qwen2ForCausalLM(
+            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
+        )
+        state = nnx.state(model, lora_lib.LoRAParam)
+        if mesh is None:
+            return state
+        return jax.lax.with_sharding_constraint(state, sharding.param_shardings(state, mesh))
+
+    return create()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +594,11 @@ def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalL
     values are the same (to float32 rounding: XLA may fuse the scaling differently from eager
     construction).
     """
-    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh))
+    abstract = nnx.eval_shape(
+        lambda: Qwen2ForCausalLM(
+            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
+        )
+    )
     graphdef, _ = nnx.split(abstract)
     return nnx.merge(graphdef, init_state_fn(cfg, seed=seed, mesh=mesh)())
 
@@ -573,7 +609,9 @@ def init_state_fn(cfg: ModelConfig, *, seed: int = 0, mesh=None):
 
     @jax.jit
     def create():
-        model = Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed), mesh=mesh)
+        model = Qwen2ForCausalLM(
+            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
+        )
         state = nnx.state(model)
         if mesh is None:
             return state
@@ -596,6 +634,7 @@ __all__ = [
     "CheckpointError",
     "expected_hf_shapes",
     "hf_state_dict",
+    "init_adapters",
     "init_model",
     "load_hf",
     "param_count",
