@@ -22,7 +22,15 @@ from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, distributed, placement, preflight
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import code_loading, loading, scratchpad, shards, synthetic, templates
+from jaxrlvr.data import (
+    code_loading,
+    loading,
+    multiplication,
+    scratchpad,
+    shards,
+    synthetic,
+    templates,
+)
 from jaxrlvr.data import tokenizer as tokenizer_lib
 from jaxrlvr.rewards import code, grading, sandbox, verifiers
 from jaxrlvr.sampling import base as sampling_base
@@ -99,6 +107,10 @@ def load_splits(
     if d.train == "synthetic":
         return synthetic.make_splits(
             cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
+        )
+    if d.train == "multiplication":
+        return multiplication.make_splits(
+            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.multiplication
         )
     if d.train == "scratchpad":
         return scratchpad.make_splits(

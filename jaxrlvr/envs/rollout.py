@@ -300,10 +300,10 @@ def trajectory_metrics(
     calls = sum(t.tool_calls for t in trajs)
     out = {
         f"{prefix}turns_mean": sum(t.turns for t in trajs) / k,
-        f"{prefix}tool_calls_per_rollout": calls / k,
-        f"{prefix}tool_errors_per_rollout": sum(t.tool_errors for t in trajs) / k,
-        f"{prefix}tool_seconds": sum(t.tool_seconds for t in trajs),
-        f"{prefix}tool_seconds_per_call": sum(t.tool_seconds for t in trajs) / max(calls, 1),
+        f"{prefix}calls_per_rollout": calls / k,
+        f"{prefix}errors_per_rollout": sum(t.tool_errors for t in trajs) / k,
+        f"{prefix}seconds": sum(t.tool_seconds for t in trajs),
+        f"{prefix}seconds_per_call": sum(t.tool_seconds for t in trajs) / max(calls, 1),
         f"{prefix}env_tokens_mean": sum(sum(t.forced or ()) for t in trajs) / k,
     }
     for reason in END_REASONS:

@@ -3,9 +3,11 @@
 Pairs are the training problems' gold responses (``sft.data: gold``, rendered in
 ``data.gold_format``) or rows of a jsonl file read with ``datasets``. A step is the next
 ``sft.batch_size`` pairs (prompt + response + EOS, packed or padded, cut to the model's context) ->
-the compiled prepare -> update. The data order is derived from ``run.seed`` and fast-forwarded on
-resume, so the position is the step count alone. After the last step the sampler receives the
-weights (the held-out evaluation after the warm start samples from them).
+the compiled prepare -> update. With ``env.tools`` a response is a written tool-use trace whose
+tool outputs are kept out of the loss (``SFTPhase.response``). The data order is derived from
+``run.seed`` and fast-forwarded on resume, so the position is the step count alone. After the
+last step the sampler receives the weights (the held-out evaluation after the warm start samples
+from them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 
 from jaxrlvr import builders, rollout
 from jaxrlvr.data import iterators, loading, shards, templates
+from jaxrlvr.envs import base as envs_base
 from jaxrlvr.phases import base
 
 
@@ -78,16 +81,32 @@ class SFTPhase(base.Phase):
             seed=cfg.run.seed + 1,
         )
 
+    def response(self, text: str) -> tuple[list[int], list[float] | None]:
+        """A response's token ids + EOS and, with ``env.tools``, its loss weights: the tool
+        outputs of a written trace (``envs.split_trace``) are tokenized on their own, as a
+        rollout appends them, and weigh 0, so SFT trains on what the model writes only."""
+        tok = self.ctx.tokenizer
+        if not self.cfg.env.tools:
+            return builders.encode(tok, text) + [tok.eos_token_id], None
+        ids, weights = [], []
+        for piece, from_env in envs_base.split_trace(text):
+            piece_ids = builders.encode(tok, piece)
+            ids += piece_ids
+            weights += [0.0 if from_env else 1.0] * len(piece_ids)
+        return ids + [tok.eos_token_id], weights + [1.0]
+
     def batch(self, examples: list[loading.Problem]):
         """The host batch of ``examples``: prompt + response + EOS, cut to the context."""
         ctx = self.ctx
         limit = ctx.model_cfg.max_position_embeddings
-        prompts, responses = [], []
+        prompts, responses, weights = [], [], []
         for ex in examples:
             p = builders.encode(ctx.tokenizer, ex.question)
-            r = builders.encode(ctx.tokenizer, ex.answer) + [ctx.tokenizer.eos_token_id]
+            r, w = self.response(ex.answer)
             prompts.append(p[: limit - 1])
-            responses.append(r[: max(limit - len(prompts[-1]), 0)])
+            keep = max(limit - len(prompts[-1]), 0)
+            responses.append(r[:keep])
+            weights.append(w[:keep] if w is not None else [1.0] * len(responses[-1]))
         sft = self.cfg.sft
         packed = rollout.pack(
             prompts,
@@ -97,6 +116,7 @@ class SFTPhase(base.Phase):
             segments=sft.packing,
             row_tokens=sft.max_tokens_per_row,
             row_multiple=sft.microbatches * builders.batch_shards(ctx.mesh),
+            loss_weights=weights if self.cfg.env.tools else None,
         )
         return rollout.to_batch(packed)
 
