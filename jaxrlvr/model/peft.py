@@ -174,7 +174,9 @@ def adapter_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndar
     """PEFT tensor name -> float32 NumPy array of every adapter in ``params`` (one transfer)."""
     if cfg.lora is None:
         raise ValueError("adapter_state_dict: the model has no LoRA adapters (model.lora is None)")
-    host = jax.device_get(nnx.to_pure_dict(lora_lib.adapters(params)))
+    # Only the adapters leave the device; a plain nested dict (host weights) is read as it is.
+    pure = nnx.to_pure_dict(lora_lib.adapters(params)) if isinstance(params, nnx.State) else params
+    host = jax.device_get(pure)
     out: dict[str, np.ndarray] = {}
     group = host["model"]["layers"]
     for t in cfg.lora.targets:

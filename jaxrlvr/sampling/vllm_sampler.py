@@ -33,6 +33,17 @@ on the OLD weights (the update waits for it, as ``/pause?mode=wait`` does on the
 a request that has not been sent yet waits for the update and runs on the NEW weights. The update
 reports the time it waited for in-flight requests as ``wait_inflight_s``.
 
+LoRA (a policy whose ``cfg.lora`` is set, servers started with ``VLLMServer(lora_rank=...)``):
+the servers keep the base model they started on, and each `update_weights` exports only the
+adapters, in PEFT's layout (``model.peft.save_adapter``: megabytes instead of the model), to a
+new directory, loads them on every server as a new adapter (``POST /v1/load_lora_adapter``, name
+``jaxrlvr-lora-<n>``), switches the rollouts' ``model`` to that name under the version gate (so
+requests in flight finish on the old adapter), then unloads the old adapter (``POST
+/v1/unload_lora_adapter``) and removes its directory. vLLM keys its prefix cache by adapter, so
+no cache reset is needed; ``/update_weight_version`` still records the version. Before the first
+update the rollouts name the base model (fresh adapters have B = 0: the same function). A
+restarted server comes back on the base model and gets the current adapter again.
+
 Dead servers: if a server that jaxrlvr started (a `VLLMServer`) dies, it is restarted on the
 latest exported weights and the failed requests are retried; with ``restart_dead_servers=False``
 the call raises a one-line error instead.
@@ -277,6 +288,10 @@ class VLLMSampler:
         self._own_export_dir = export_dir is None
         self.export_dir = os.fspath(export_dir) if export_dir is not None else None
         self._exported = False
+        self.lora = getattr(cfg, "lora", None)
+        self.adapter_name: str | None = None  # the adapter rollouts name (LoRA), None: the base
+        self._adapter_dir: str | None = None
+        self._adapter_loads = 0
         self.version = 0
         self._gate = VersionGate()
         self._rr = 0
@@ -395,13 +410,14 @@ class VLLMSampler:
         attempts = self.max_retries + 1
         for attempt in range(attempts):
             k = (slot + attempt) % len(self._targets)
-            t, model = self._targets[k], self.model_names[k]
-            body = completion_request(model, prompt, n, params, seed)
+            t = self._targets[k]
             try:
                 # The gate is held from reading the version to the response: no weight update
                 # can happen in between (class docstring).
                 with self._gate.shared():
                     version = self.version
+                    model = self.adapter_name or self.model_names[k]
+                    body = completion_request(model, prompt, n, params, seed)
                     r = self._client.post(t.url + "/v1/completions", json=body)
                 if r.status_code >= 500:
                     raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -462,7 +478,9 @@ class VLLMSampler:
                 )
             t.last_failure = cause
             t.server.restart(self.export_dir if self._exported else None)
-            if self._exported:
+            if self.adapter_name is not None:  # LoRA: back on the base; load the current adapter
+                self._load_adapter_one(t, self.adapter_name, self._adapter_dir, self.version)
+            elif self._exported:
                 self._post(t, "/update_weight_version", json={"new_version": str(self.version)})
 
     # ---------------------------------------------------------------- weight sync
@@ -485,6 +503,8 @@ class VLLMSampler:
         weights.
         """
         version = self.version + 1 if version is None else int(version)
+        if self.lora is not None:
+            return self._update_adapters(weights, version)
         t0 = time.perf_counter()
         if self.export_dir is None:
             self.export_dir = weight_export.default_export_dir()
@@ -518,6 +538,90 @@ class VLLMSampler:
         for key in ("pause_s", "reload_s", "reset_s", "resume_s", "confirm_s"):
             out[key] = max(p[key] for p in parts)
         out["total_s"] = time.perf_counter() - t0
+        return out
+
+    def _update_adapters(self, weights: Any, version: int) -> dict[str, float]:
+        """The LoRA route of `update_weights` (module docstring): export the adapters, load
+        them as a new adapter everywhere, switch the rollouts to it, unload the old one.
+
+        Keys: export_s (to_host_s + write_s), bytes_written, wait_inflight_s, load_s and
+        unload_s (slowest server), total_s."""
+        from jaxrlvr.model import peft
+
+        t0 = time.perf_counter()
+        if self.export_dir is None:
+            self.export_dir = weight_export.default_export_dir()
+        self._adapter_loads += 1
+        name = f"jaxrlvr-lora-{self._adapter_loads}"
+        path = os.path.join(self.export_dir, name)
+        timings = peft.save_adapter(self.cfg, weights, path)
+        t1 = time.perf_counter()
+        old_name, old_dir = self.adapter_name, self._adapter_dir
+        with self._gate.exclusive() as waited:
+            loads = list(
+                self._sync_pool.map(
+                    lambda t: self._load_adapter_one(t, name, path, version), self._targets
+                )
+            )
+            self.adapter_name, self._adapter_dir, self.version = name, path, version
+        unloads = [0.0]
+        if old_name is not None:
+            unloads = list(
+                self._sync_pool.map(lambda t: self._unload_adapter_one(t, old_name), self._targets)
+            )
+            shutil.rmtree(old_dir, ignore_errors=True)
+        return {
+            "export_s": t1 - t0,
+            "to_host_s": timings["to_host_s"],
+            "write_s": timings["write_s"],
+            "bytes_written": timings["bytes"],
+            "wait_inflight_s": waited,
+            "load_s": max(loads),
+            "unload_s": max(unloads),
+            "total_s": time.perf_counter() - t0,
+        }
+
+    def _load_adapter_one(self, t: _Target, name: str, path: str, version: int) -> float:
+        """Loads adapter `name` from `path` on `t` and records `version`; returns seconds."""
+        with t.lock:
+            if t.server is not None and not t.server.alive():
+                if not self.restart_dead_servers:
+                    raise VLLMError(
+                        f"vLLM server at {t.url} died (exit code {t.server.returncode()}) and "
+                        "restart_dead_servers=False"
+                    )
+                t.server.restart(None)  # the base model; the adapter follows
+            t0 = time.perf_counter()
+            r = self._client.post(
+                t.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+            )
+            if r.status_code == 404:
+                raise VLLMError(
+                    f"vLLM server at {t.url} cannot load LoRA adapters at run time (POST "
+                    "/v1/load_lora_adapter -> 404): start it with --enable-lora and env "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (VLLMServer(lora_rank=...) does)"
+                )
+            if r.status_code != 200:
+                raise VLLMError(
+                    f"vLLM server at {t.url} refused LoRA adapter {name} ({path}): "
+                    f"HTTP {r.status_code}: {r.text[:500]}"
+                )
+            elapsed = time.perf_counter() - t0
+            self._post(t, "/update_weight_version", json={"new_version": str(version)})
+            return elapsed
+
+    def _unload_adapter_one(self, t: _Target, name: str) -> float:
+        with t.lock:
+            t0 = time.perf_counter()
+            self._post(t, "/v1/unload_lora_adapter", json={"lora_name": name})
+            return time.perf_counter() - t0
+
+    def loaded_adapters(self) -> list[list[str]]:
+        """The LoRA adapter names each server lists in ``GET /v1/models`` (besides the base)."""
+        out = []
+        for t in self._targets:
+            data = self._client.get(t.url + "/v1/models").json().get("data") or []
+            out.append([m["id"] for m in data if m.get("parent")])
         return out
 
     def _pause_one(self, t: _Target) -> float | None:

@@ -185,6 +185,19 @@ def root_cause(log_text: str) -> str | None:
     return None
 
 
+# The ranks vLLM 0.32 accepts for ``--max-lora-rank`` (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(rank: int, max_loras: int = 2) -> list[str]:
+    """The api_server flags that serve LoRA adapters of rank <= ``rank``: ``--max-lora-rank`` is
+    the smallest rank vLLM accepts that holds it."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora rank {rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", str(max_loras)]
+
+
 class VLLMServer:
     """A vLLM server child process on one model directory.
 
@@ -208,6 +221,11 @@ class VLLMServer:
       tokenizer: tokenizer directory; defaults to `model_dir`, and is kept across `restart` so
         that a restart can point `model_dir` at a weights-only export.
       extra_args: more command-line flags for the api_server.
+      lora_rank: serve LoRA adapters of rank up to this (``--enable-lora``, ``--max-lora-rank``
+        rounded up to a rank vLLM accepts, ``--max-loras 2``: the current adapter and the next
+        one while it loads) and allow loading them at run time (env
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); `VLLMSampler` then syncs adapters only. None: no
+        LoRA.
       log_path: where the server's stdout/stderr go (a temp file by default).
       startup_timeout_s: how long `start` waits for ``/health``.
       start: start the process at construction.
@@ -232,6 +250,7 @@ class VLLMServer:
         startup_timeout_s: float = 300.0,
         start: bool = True,
         allow_remote_dev_endpoints: bool = False,
+        lora_rank: int | None = None,
     ):
         check_bind_host(
             host,
@@ -259,6 +278,8 @@ class VLLMServer:
         self.kv_cache_bytes = kv_cache_bytes
         self.tokenizer = os.fspath(tokenizer) if tokenizer is not None else self.model_dir
         self.extra_args = tuple(extra_args)
+        self.lora_rank = lora_rank
+        self._lora_args = lora_server_args(lora_rank) if lora_rank is not None else []
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="jaxrlvr-vllm-", suffix=".log")
             os.close(fd)
@@ -316,6 +337,7 @@ class VLLMServer:
             *memory,
             "--logprobs-mode",
             "processed_logprobs",
+            *self._lora_args,
             *self.extra_args,
         ]
 
@@ -329,6 +351,8 @@ class VLLMServer:
             VLLM_HOST_IP=env.get("VLLM_HOST_IP", "127.0.0.1"),
             HF_HUB_OFFLINE="1",
         )
+        if self.lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.device == "cuda":
             env["VLLM_TARGET_DEVICE"] = "cuda"
             # The trainer's JAX memory settings are not the server's business.
