@@ -304,9 +304,14 @@ class RLSection:
     0 is the synchronous loop. With k > 0 the batch of step t + k is generated while step t
     updates, by the weights of version t (the policy after t updates), so every batch from step
     k on is exactly k versions old (step t < k: t versions). ``off_policy_correction``: with
-    k > 0 and ``loss.tis`` "none", token-level truncated importance sampling against the
-    sampler's log-probs (``loss.tis_cap``) is used; set ``loss.tis`` to choose the level, or
-    this to false to train without a correction.
+    k > 0 and ``loss.correction.mode`` "none", token-level truncation of pi_old / pi_sampler at
+    2 (``CorrectionConfig(mode="truncate")``) is used; set ``loss.correction`` to choose the
+    source, level and mode (docs/corrections.md), or this to false to train without one.
+    ``behaviour_logprobs``: with k > 0, keep the parameter versions that sampled the pending
+    batches (up to k + 1 copies of the parameters) and recompute each stale batch's log-probs
+    under its own version (one extra log-prob pass per step): the correction's "engine" and
+    "staleness" sources and their separate diagnostics need it. False: neither source is
+    available (only "both"), and the staleness diagnostics read 0.
     """
 
     # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
@@ -347,12 +352,16 @@ class RLSection:
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+    behaviour_logprobs: bool = True
 
     @property
     def policy_loss(self) -> loss_config.PolicyLossConfig:
-        """``loss`` as the update applies it: truncated IS switched on for stale rollouts."""
-        if self.max_staleness > 0 and self.off_policy_correction and self.loss.tis == "none":
-            return dataclasses.replace(self.loss, tis="token")
+        """``loss`` as the update applies it: with stale rollouts and no correction chosen, the
+        token-level truncation of pi_old / pi_sampler at 2."""
+        corr = self.loss.correction
+        if self.max_staleness > 0 and self.off_policy_correction and corr.mode == "none":
+            corr = dataclasses.replace(corr, mode="truncate", level="token", source="both")
+            return dataclasses.replace(self.loss, correction=corr)
         return self.loss
 
     def __post_init__(self):
@@ -370,6 +379,18 @@ class RLSection:
             raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
         budget = self.max_tokens_per_microbatch
         if budget is not None:
+        corr = self.loss.correction
+        if (
+            self.max_staleness > 0
+            and not self.behaviour_logprobs
+            and corr.mode != "none"
+            and corr.source != "both"
+        ):
+            raise ValueError(
+                f"rl.loss.correction.source={corr.source!r} with rl.max_staleness="
+                f"{self.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
+                "version that sampled), or source 'both'"
+            )
             key = f"rl.max_tokens_per_microbatch={budget!r}"
             if not (isinstance(budget, int) and budget >= 1):
                 raise ValueError(f"{key}: expected an int >= 1 or null")

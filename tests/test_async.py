@@ -1,8 +1,10 @@
 """Asynchronous rollouts (``rl.max_staleness``) with the embedded JAX sampler, end to end on a
 tiny model: k = 0 is the synchronous loop bit for bit; with k = 1 every batch's version lag,
 read from the versions the sampler stamped on its completions, is exactly what the schedule
-allows; truncated IS divides by the log-probs of the weights that generated the tokens; resume
-after SIGKILL ends at the uninterrupted run's parameters.
+allows; the off-policy correction divides by the log-probs of the weights that generated the
+tokens, and its diagnostics split the engine gap from the staleness gap (the behaviour version's
+log-probs recomputed from the kept parameters); resume after SIGKILL ends at the uninterrupted
+run's parameters.
 
 The vLLM path is tested in tests/sampling/test_async_vllm.py (it needs the session's server).
 """
@@ -129,7 +131,7 @@ def k1_run(tmp_path_factory):
         "checkpoint.every=1000",
         "rl.max_staleness=1",
         # No truncation: the logged mean weight is the plain ratio the test recomputes.
-        "rl.loss.tis_cap=1e6",
+        "rl.loss.correction.high=1e6",
     )
     trainer = train.Trainer(cfg)
     out = {"metrics": [], "run_dir": run_dir}
@@ -159,13 +161,13 @@ def test_k1_version_lag_is_exactly_what_the_config_allows(k1_run):
     batch = k1_run["batch"]
     assert {c.weight_version for c in batch.completions} == {1}
     for x in m:
-        for key in ("time/wait_rollouts_s", "time/generate_s", "tis_weight", "clip_frac"):
+        for key in ("time/wait_rollouts_s", "time/generate_s", "offpolicy/weight", "clip_frac"):
             assert key in x, key
 
 
 def test_k1_correction_divides_by_the_generating_versions_logprobs(k1_run):
     """Step 2 trains version 2 on tokens version 1 generated. The completions' log-probs are
-    version 1's (not version 2's), and the logged mean TIS weight is exp(old - sampler) with
+    version 1's (not version 2's), and the logged mean correction weight is exp(old - sampler) with
     old = version 2's log-probs and sampler = those stamped ones. Had the correction used the
     trainer's own log-probs as the denominator, the weight would be exactly 1 (tolerance:
     float32 forward passes of different shapes, 1e-4 on log-probs, 1e-4 on the mean weight)."""
@@ -182,9 +184,38 @@ def test_k1_correction_divides_by_the_generating_versions_logprobs(k1_run):
     assert gap_old < 1e-4, gap_old  # the sampler's log-probs are those of version 1 ...
     assert gap_new > 1e-2, gap_new  # ... and measurably not version 2's
     expected = float(np.mean(weights))
-    logged = k1_run["metrics"][2]["tis_weight"]
+    logged = k1_run["metrics"][2]["offpolicy/weight"]
     assert abs(expected - 1.0) > 1e-3, expected  # a trainer-log-prob denominator would give 1
     np.testing.assert_allclose(logged, expected, rtol=0, atol=1e-4)
+
+
+def test_k1_diagnostics_split_engine_and_staleness(k1_run):
+    """Step 2's batch: the behaviour log-probs are version 1's, recomputed by the trainer from
+    the parameters it kept, so the engine gap (behaviour vs the JAX sampler's own float32
+    log-probs) is ~0 and the whole gap is staleness: k1 = mean(v1 - v2), the mean ratio is
+    mean(exp(v2 - v1)), the largest ratio max(exp(v2 - v1)). Tolerance: float32 forward passes
+    of different shapes (packed rows vs one sequence), 1e-4 on means of log-probs ~ -3."""
+    batch, graphdef, params = k1_run["batch"], k1_run["graphdef"], k1_run["params"]
+    d = []
+    for c in batch.completions:
+        prompt = batch.prompts[c.prompt_index]
+        v1 = _logprobs(graphdef, params[1], prompt, c.token_ids)
+        v2 = _logprobs(graphdef, params[2], prompt, c.token_ids)
+        d.extend(v2 - v1)
+    d = np.asarray(d)
+    m = k1_run["metrics"][2]
+    assert m["offpolicy/behaviour_exact"] == 1.0
+    assert abs(m["offpolicy/engine/k1"]) < 1e-4 and m["offpolicy/engine/k3"] < 1e-6
+    assert abs(np.mean(-d)) > 1e-3  # the staleness gap is real ...
+    np.testing.assert_allclose(m["offpolicy/staleness/k1"], np.mean(-d), atol=1e-4)
+    np.testing.assert_allclose(m["offpolicy/staleness/k3"], np.mean(np.expm1(d) - d), atol=1e-4)
+    np.testing.assert_allclose(m["offpolicy/staleness/is_w"], np.mean(np.exp(d)), atol=1e-4)
+    np.testing.assert_allclose(m["offpolicy/staleness/ratio_max"], np.exp(d).max(), rtol=1e-3)
+    # ... and the composed source is staleness x engine: the same figures within the engine gap
+    np.testing.assert_allclose(m["offpolicy/both/k1"], m["offpolicy/staleness/k1"], atol=1e-4)
+    assert 0 < m["offpolicy/staleness/ess"] <= 1.0
+    # Step 0 trained on version 0's batch with version 0: no staleness at all.
+    assert k1_run["metrics"][0]["offpolicy/staleness/k1"] == 0.0
 
 
 def test_producer_refuses_a_batch_older_than_k():
@@ -293,5 +324,5 @@ def test_k1_sigkill_and_resume_gives_identical_params(tmp_path):
     ref, got = _metrics(ref_dir), _metrics(run_dir)
     assert [x["step"] for x in got] == [1, 2, 3, 4, 5]
     for x, y in zip(ref, got):
-        for key in ("async/staleness", "async/rollout_version", "reward_mean", "tis_weight"):
+        for key in ("async/staleness", "async/rollout_version", "reward_mean", "offpolicy/weight"):
             assert x[key] == y[key], (key, x["step"])

@@ -167,7 +167,9 @@ ALGORITHMS = {
     "grpo_dr_grpo": _grpo(aggregation="seq_mean_token_sum_norm", norm_constant=float(T)),
     "grpo_gspo": _grpo(ratio_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4),
     "grpo_kl_loss": _grpo(kl_coef=0.04, kl_estimator="k3", entropy_coef=1e-3),
-    "grpo_tis": _grpo(tis="sequence", tis_cap=2.0),
+    "grpo_correction": _grpo(
+        correction=loss_config.CorrectionConfig(mode="icepop", level="geometric", source="engine")
+    ),
     # Several epochs per batch: prepare runs the old-log-prob pass (one epoch skips it), here
     # with the log-softmax in position chunks under remat.
     "grpo_epochs2_chunked": _grpo(epochs_per_batch=2, logprob_chunk_size=T // 4),

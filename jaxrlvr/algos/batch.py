@@ -35,6 +35,7 @@ _LAYOUT = {
     "old_logp": "bt",
     "ref_logp": "bt",
     "sampler_logp": "bt",
+    "behaviour_logp": "bt",
     "rewards": "b",
     "old_values": "bt",
     "correct": "b",
@@ -60,7 +61,9 @@ class Batch:
     advantages: float32 [B] per-sequence advantage (GRPO/REINFORCE);
     old_logp: float32 [B, T] log pi_old(labels) from the trainer before this rollout's updates;
     ref_logp: float32 [B, T] reference-model log-probs (KL penalty), optional;
-    sampler_logp: float32 [B, T] the sampler's log-probs (truncated IS), optional;
+    sampler_logp: float32 [B, T] the sampler's log-probs (off-policy correction), optional;
+    behaviour_logp: float32 [B, T] the trainer's log-probs under the parameter version that
+    sampled the rollouts (stale batches; ``algos.importance``), optional;
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).
@@ -76,6 +79,7 @@ class Batch:
     old_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
     sampler_logp: jax.Array | None = None
+    behaviour_logp: jax.Array | None = None
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
     correct: jax.Array | None = None

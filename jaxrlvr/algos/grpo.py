@@ -2,7 +2,8 @@
 
 The objective is ``policy_loss.policy_loss`` with every option of ``PolicyLossConfig``
 (aggregation incl. Dr. GRPO and DAPO's token mean, clip-higher, dual clip, GSPO, KL, entropy,
-truncated IS); the advantages come from the host (``advantages``, ``shaping``, ``rollout``).
+off-policy correction); the advantages come from the host (``advantages``, ``shaping``,
+``rollout``).
 
 Not here: rewards and group baselines (the driver computes ``batch.advantages``), the engine
 (``engine``) and the parts shared with PPO (``policy_gradient``).
@@ -23,7 +24,8 @@ from jaxrlvr.algos import state as state_lib
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOUpdateConfig:
     """GRPO / policy-gradient update: the ``policy_loss`` objective with every option of
-    ``PolicyLossConfig`` (aggregation, clip-higher, dual clip, GSPO, KL, entropy, TIS).
+    ``PolicyLossConfig`` (aggregation, clip-higher, dual clip, GSPO, KL, entropy, off-policy
+    correction).
     ``logprob_chunk_size`` as ``sft.SFTUpdateConfig`` (also used by the old/reference passes)."""
 
     loss: loss_config.PolicyLossConfig = dataclasses.field(
@@ -49,7 +51,9 @@ def make_grpo_update(
     (``policy_loss.policy_loss``).
 
     The batch needs ``advantages`` [B]; ``old_logp`` (None: on-policy, ratio 1); ``ref_logp``
-    when ``kl_coef > 0`` with ``kl_in="loss"``; ``sampler_logp`` when ``tis != "none"``.
+    when ``kl_coef > 0`` with ``kl_in="loss"``; ``sampler_logp`` when
+    ``loss.correction`` reads it (``CorrectionConfig.uses_sampler``); ``behaviour_logp``
+    optional (stale batches: the staleness source).
     Other arguments as ``sft.make_sft_update``.
     """
     cfg = cfg or GRPOUpdateConfig()
@@ -103,8 +107,9 @@ def grpo_algorithm(
     than ``state.params`` (asynchronous rollouts, ``max_staleness > 0``). The skip is then wrong
     (the ratio's denominator must be the policy the rollouts are corrected against), so the old
     pass always runs: it is skipped only when ``epochs_per_batch == 1`` and the rollouts cannot be
-    stale. Either way truncated IS weights the tokens by old / sampler log-probs, with the
-    sampler's own log-probs (``sampler_logp``) as the denominator.
+    stale. Either way the off-policy correction (``loss.correction``) weights the tokens by the
+    ratio of its source: old / sampler ("both"), behaviour / sampler ("engine") or old /
+    behaviour ("staleness"), where the RL phase supplies ``behaviour_logp`` for stale batches.
     """
     cfg = cfg or GRPOUpdateConfig()
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)

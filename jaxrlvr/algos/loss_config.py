@@ -1,7 +1,7 @@
 """Typed configuration for the RLVR loss math, and the shared argument contracts.
 
 Every choice between estimators (advantage baseline and scale, loss aggregation, clipping, KL
-estimator, importance-sampling correction, reward shaping) is made here, once, by a frozen
+estimator, off-policy correction, reward shaping) is made here, once, by a frozen
 keyword-only dataclass whose ``Literal`` fields are validated at construction. The functions in
 ``jaxrlvr.algos`` take these configs instead of scattered strings.
 
@@ -27,7 +27,9 @@ Aggregation = Literal[
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
 KLIn = Literal["loss", "reward"]
-TISLevel = Literal["none", "token", "sequence"]
+CorrectionSource = Literal["engine", "staleness", "both"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+CorrectionMode = Literal["none", "truncate", "mask", "icepop"]
 ArrayKind = Literal["float", "int", "bool", "mask", "real"]
 
 
@@ -95,6 +97,72 @@ class AdvantageConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CorrectionConfig:
+    """Off-policy correction of the policy-gradient term (``importance``; docs/corrections.md).
+
+    Three policies meet in one update: the sampler's own log-probs (``sampler_logp``, vLLM or
+    the JAX sampler in another precision), the trainer's log-probs under the parameter version
+    that sampled (``behaviour_logp``) and the trainer's log-probs under the parameters the step
+    starts from (``old_logp``, the ratio's denominator). ``source`` picks the ratio r:
+
+        engine     pi_behaviour / pi_sampler   the engine mismatch alone (same weights)
+        staleness  pi_old / pi_behaviour       the policy lag alone (asynchronous rollouts)
+        both       pi_old / pi_sampler         the two composed (= engine x staleness)
+
+    ``level`` aggregates the per-token log-ratios d_t = log r_t over each sequence: "token"
+    (r_t), "sequence" (exp(sum_t d_t), the product of the token ratios) or "geometric"
+    (exp(mean_t d_t), the length-normalised ratio). ``mode`` turns r into the weight w that
+    multiplies each token's policy-gradient term (no gradient through w):
+
+        none      w = 1 (the diagnostics are still reported)
+        truncate  w = clip(r, low, high)                 truncated IS (Yao et al. 2025)
+        mask      w = 1 if low <= r <= high else 0       rejection (verl's rollout_rs)
+        icepop    w = r if low <= r <= high else 0       masked IS (IcePop, Ling Team 2025)
+
+    high: the cap / the band's upper edge (> 0).
+    low: the band's lower edge; None means 0 for truncate (a one-sided cap) and 1 / high for
+        mask and icepop (verl's default lower threshold). ``band`` gives the resolved pair.
+    """
+
+    mode: CorrectionMode = "none"
+    level: CorrectionLevel = "token"
+    source: CorrectionSource = "both"
+    high: float = 2.0
+    low: float | None = None
+
+    def __post_init__(self) -> None:
+        check_literal("correction.mode", self.mode, CorrectionMode)
+        check_literal("correction.level", self.level, CorrectionLevel)
+        check_literal("correction.source", self.source, CorrectionSource)
+        if not self.high > 0:
+            raise ValueError(f"correction.high must be > 0, got {self.high!r}")
+        if self.low is not None and not 0 <= self.low <= self.high:
+            raise ValueError(
+                f"correction.low must be None or in [0, high={self.high}], got {self.low!r}"
+            )
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """(low, high) with ``low`` resolved: 0 for truncate / none, 1 / high otherwise."""
+        if self.low is not None:
+            return float(self.low), float(self.high)
+        return (0.0 if self.mode in ("none", "truncate") else 1.0 / self.high), float(self.high)
+
+    @property
+    def uses_sampler(self) -> bool:
+        """Whether the applied weight reads the sampler's log-probs."""
+        return self.mode != "none" and self.source in ("engine", "both")
+
+
+# The knobs ``correction`` replaced, and how to write them now (raised by PolicyLossConfig).
+_TIS_MOVED = (
+    "loss.tis / loss.tis_cap were replaced by loss.correction (docs/corrections.md): "
+    "tis=token|sequence with tis_cap=C is correction.mode=truncate, correction.level="
+    "token|sequence, correction.source=both, correction.high=C"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
     """The per-token policy objective and its aggregation (see ``policy_loss.policy_loss``).
 
@@ -114,8 +182,9 @@ class PolicyLossConfig:
     kl_coef, kl_estimator, kl_in: KL(pi || pi_ref) penalty coefficient, estimator (Schulman's
         k1/k2/k3) and whether it enters the loss or is subtracted from the reward by the caller.
     entropy_coef: entropy bonus coefficient (loss -= coef * entropy).
-    tis, tis_cap: truncated importance sampling weight min(pi_old / pi_sampler, cap), per token
-        or per sequence (Yao et al. 2025).
+    correction: the off-policy correction (``CorrectionConfig``): engine mismatch, staleness or
+        both; token, sequence or geometric ratios; truncate, mask or IcePop.
+    tis, tis_cap: removed (replaced by ``correction``); setting either raises with the mapping.
     mask_truncated: the caller drops truncated completions from the mask (DAPO overlong filtering).
     log_ratio_clamp: |log ratio| bound before every exp, to keep ratios finite.
     """
@@ -131,8 +200,9 @@ class PolicyLossConfig:
     kl_estimator: KLEstimator = "k3"
     kl_in: KLIn = "loss"
     entropy_coef: float = 0.0
-    tis: TISLevel = "none"
-    tis_cap: float = 2.0
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
+    tis: str | None = dataclasses.field(default=None, repr=False)
+    tis_cap: float | None = dataclasses.field(default=None, repr=False)
     mask_truncated: bool = False
     log_ratio_clamp: float = 20.0
 
@@ -141,7 +211,8 @@ class PolicyLossConfig:
         check_literal("ratio_level", self.ratio_level, RatioLevel)
         check_literal("kl_estimator", self.kl_estimator, KLEstimator)
         check_literal("kl_in", self.kl_in, KLIn)
-        check_literal("tis", self.tis, TISLevel)
+        if self.tis is not None or self.tis_cap is not None:
+            raise ValueError(_TIS_MOVED)
         if self.aggregation == "seq_mean_token_sum_norm" and not (
             self.norm_constant is not None and self.norm_constant > 0
         ):
@@ -157,8 +228,6 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip must be None or > 1, got {self.dual_clip!r}")
         if not self.kl_coef >= 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
         if not self.log_ratio_clamp > 0:
             raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp!r}")
 

@@ -2,10 +2,12 @@
 on one microbatch, and the old / reference log-prob passes of ``prepare``.
 
 ``policy_specs`` is the one place that decides which log-prob fields a policy-gradient method
-reads: the sampler's log-probs are required by truncated IS (``loss.tis``) and otherwise used for
-the sampler/trainer gap metric when present; the reference's are required when the KL term is in
-the loss; ``old_logp`` is optional (None: one on-policy epoch, ratio 1) unless the method says
-otherwise.
+reads: the sampler's log-probs are required by an off-policy correction that reads them
+(``loss.correction`` with source "engine" or "both") and otherwise used for the engine
+diagnostics when present; ``behaviour_logp`` (the trainer's log-probs under the version that
+sampled, which the RL phase adds to a stale batch) is always optional; the reference's are
+required when the KL term is in the loss; ``old_logp`` is optional (None: one on-policy epoch,
+ratio 1) unless the method says otherwise.
 
 Not here: the loss math (``policy_loss``), the update skeleton (``engine``) and each method's
 own record (``grpo``, ``ppo``).
@@ -20,7 +22,7 @@ from jaxrlvr.algos import loss_config, policy_loss
 from jaxrlvr.algos import state as state_lib
 
 Metrics = dict[str, jax.Array]
-LOGPROB_FIELDS = ("ref_logp", "sampler_logp", "old_logp")
+LOGPROB_FIELDS = ("ref_logp", "sampler_logp", "old_logp", "behaviour_logp")
 
 
 def policy_specs(
@@ -32,15 +34,15 @@ def policy_specs(
     """(rollout_spec, batch_spec) of a policy-gradient method.
 
     Args:
-      loss: the policy objective (its ``tis``, ``kl_coef`` and ``kl_in`` decide the log-prob
-        fields).
+      loss: the policy objective (its ``correction``, ``kl_coef`` and ``kl_in`` decide the
+        log-prob fields).
       rollout_fields: what the host computes for every rollout (GRPO's ``advantages``, PPO's
         ``rewards``); required by both specs.
       update_fields: what ``prepare`` adds and the update requires (PPO's ``old_values``,
         ``old_logp``, and ``ref_logp`` for its reward KL).
       num_microbatches: the update's microbatches (both specs carry it).
     """
-    tis = ("sampler_logp",) if loss.tis != "none" else ()
+    tis = ("sampler_logp",) if loss.correction.uses_sampler else ()
     ref = ("ref_logp",) if loss.kl_coef > 0 and loss.kl_in == "loss" else ()
     rollout = batch_lib.BatchSpec(
         required=rollout_fields + tis,
@@ -78,6 +80,7 @@ def policy_terms(
         denominator=denominator,
         ref_logp_bt=mb.ref_logp,
         sampler_logp_bt=mb.sampler_logp,
+        behaviour_logp_bt=mb.behaviour_logp,
         entropy_bt=entropy_bt,
         segment_ids_bt=mb.segment_ids,
     )
@@ -97,8 +100,10 @@ def policy_passes(
     when the state holds a KL reference, ``ref_logp``.
 
     The sampler/trainer gap needs no pass of its own: the update reports it as ``logp_diff_abs``
-    (mean over loss tokens) and ``logp_diff_abs_max`` whenever the batch carries the sampler's
-    log-probs (``importance.tis_metrics`` of ``old_logp``, or of the current log-probs on policy).
+    (mean over loss tokens), ``logp_diff_abs_max`` and the ``offpolicy/*`` diagnostics whenever
+    the batch carries the sampler's log-probs (against ``old_logp``, or against the current
+    log-probs on policy). The behaviour version's log-probs of a stale batch are this same pass
+    run with that version's parameters (``phases.rl``).
     """
     old_logp = logprob_fn(state.params, rollouts)[0] if old else None
     ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]

@@ -9,8 +9,10 @@ Per valid token (advantage A broadcast from its sequence, or per token for PPO/G
               | -rho * A                           when cfg.clip is False (no trust region)
     pg        = min(pg, -c * A) where A < 0        (dual clip, Ye et al. 2020)
     loss_t    = w_t * pg + beta * KL_t - alpha * H_t
-                 w_t: truncated IS weight (Yao et al. 2025), KL_t: k1/k2/k3 (Schulman's blog)
-                 when kl_in == "loss" (GRPO, Shao et al. 2024), H_t: entropy bonus
+                 w_t: the off-policy correction's weight (``importance``: engine mismatch and/or
+                 staleness; token / sequence / geometric; truncate, mask or IcePop),
+                 KL_t: k1/k2/k3 (Schulman's blog) when kl_in == "loss" (GRPO, Shao et al.
+                 2024), H_t: entropy bonus
 
 aggregated by ``aggregation.aggregate`` with the full-batch denominator, so the loss and its
 gradient add up exactly over microbatches.
@@ -20,7 +22,14 @@ scalar and its key says how to combine it:
   - ``loss``, ``pg_loss`` and ``kl_loss`` are already divided by the global denominator: add them.
   - keys ending in ``_sum`` are sums over valid tokens; ``token_count`` is the number of valid
     tokens: add them, then divide (``finalize_metrics`` does it, giving the ``_sum``-less name).
+  - keys ending in ``_seqsum`` are sums over sequences (those with a loss token);
+    ``seq_count`` counts them: add, then divide by ``seq_count``.
   - keys ending in ``_max`` / ``_min`` combine with max / min.
+The off-policy diagnostics (``importance.correction_metrics``) come under ``offpolicy/engine/``,
+``offpolicy/staleness/`` and ``offpolicy/both/``, every step whatever the correction's mode:
+``k1``, ``k3`` (mismatch KL), ``ess``, ``ratio_max`` / ``ratio_min`` (level ratio), ``masked`` /
+``truncated`` (token fractions), ``seq_masked`` / ``seq_truncated`` (sequence fractions);
+``offpolicy/weight`` is the mean weight applied, ``logp_diff_abs(_max)`` |old - sampler|.
 ``metrics_identity``, ``accumulate_metrics`` and ``finalize_metrics`` implement this; the key set
 depends only on the config, never on which optional inputs were given (absent ones report 0).
 
@@ -46,6 +55,7 @@ def policy_loss(
     denominator: jax.Array | float,
     ref_logp_bt: jax.Array | None = None,
     sampler_logp_bt: jax.Array | None = None,
+    behaviour_logp_bt: jax.Array | None = None,
     entropy_bt: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -60,8 +70,12 @@ def policy_loss(
       denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
       ref_logp_bt: [B, T] log pi_ref; required when kl_coef > 0 and kl_in == "loss"; when given
         the KL metric is reported whatever kl_in is.
-      sampler_logp_bt: [B, T] sampler log-probs; required when tis != "none"; when given the
-        mismatch metrics are reported.
+      sampler_logp_bt: [B, T] the sampler's own log-probs; required when the correction's
+        mode is not "none" and its source is "engine" or "both"; when given, the engine and
+        composed diagnostics are reported (0 otherwise).
+      behaviour_logp_bt: [B, T] the trainer's log-probs under the parameter version that
+        sampled the rollouts (no gradient). None: that version is the one of ``old_logp_bt``
+        (synchronous rollouts), so the staleness ratio is 1.
       entropy_bt: [B, T] token entropy (``losses.compute_entropy``), differentiable; required
         when entropy_coef != 0; reported when given.
       segment_ids_bt: int [B, T] of packed rows (``algos.segments``): the sequence-level terms
@@ -80,6 +94,7 @@ def policy_loss(
     for name, x in [
         ("ref_logp_bt", ref_logp_bt),
         ("sampler_logp_bt", sampler_logp_bt),
+        ("behaviour_logp_bt", behaviour_logp_bt),
         ("entropy_bt", entropy_bt),
     ]:
         if x is not None:
@@ -89,8 +104,11 @@ def policy_loss(
         loss_config.expect_array(adv_b, "adv_b", shape=shape)
     if cfg.kl_coef > 0 and cfg.kl_in == "loss" and ref_logp_bt is None:
         raise ValueError("kl_coef > 0 with kl_in='loss' requires `ref_logp_bt`")
-    if cfg.tis != "none" and sampler_logp_bt is None:
-        raise ValueError(f"tis={cfg.tis!r} requires `sampler_logp_bt`")
+    corr = cfg.correction
+    if corr.uses_sampler and sampler_logp_bt is None:
+        raise ValueError(
+            f"correction mode={corr.mode!r} source={corr.source!r} requires `sampler_logp_bt`"
+        )
     if cfg.entropy_coef != 0 and entropy_bt is None:
         raise ValueError("entropy_coef != 0 requires `entropy_bt`")
 
@@ -124,24 +142,39 @@ def policy_loss(
     else:
         dual = jnp.zeros(shape, bool)
 
-    if sampler_logp_bt is not None:
-        w, truncated = importance.tis_weights(
-            old,
-            sampler_logp_bt,
+    behaviour = old if behaviour_logp_bt is None else behaviour_logp_bt.astype(_f32)
+    behaviour = jax.lax.stop_gradient(behaviour)
+    corr_stats: dict[str, jax.Array] = {}
+    log_ratios = {}
+    for source in importance.SOURCES:
+        log_ratios[source] = importance.source_log_ratio(source, old, behaviour, sampler_logp_bt)
+        corr_stats.update(
+            importance.correction_metrics(
+                f"offpolicy/{source}/",
+                log_ratios[source],
+                mask_bt,
+                corr,
+                log_ratio_clamp=clamp,
+                segment_ids_bt=segment_ids_bt,
+            )
+        )
+    if corr.mode != "none":
+        w = importance.correction_weights(
+            log_ratios[corr.source],
             mask_bt,
-            cfg.tis,
-            cfg.tis_cap,
+            corr,
             log_ratio_clamp=clamp,
             segment_ids_bt=segment_ids_bt,
-        )
-        tis_stats = importance.tis_metrics(old, sampler_logp_bt, mask_bt, w, truncated)
+        )[0]
     else:
         w = jnp.ones(shape, _f32)
-        zero = jnp.zeros((), _f32)
-        tis_stats = dict.fromkeys(
-            ["tis_weight_sum", "tis_truncated_sum", "logp_diff_abs_sum", "logp_diff_abs_max"],
-            zero,
-        )
+    if sampler_logp_bt is not None:
+        gap = aggregation.masked_rows(jnp.abs(old - sampler_logp_bt.astype(_f32)), mask_bt)
+    else:
+        gap = jnp.zeros(shape, _f32)
+    corr_stats["offpolicy/weight_sum"] = jnp.sum(aggregation.masked_rows(w, mask_bt))
+    corr_stats["logp_diff_abs_sum"] = jnp.sum(gap)
+    corr_stats["logp_diff_abs_max"] = jnp.max(gap, initial=0.0)
     pg = pg * w
 
     zeros = jnp.zeros(shape, _f32)
@@ -178,7 +211,8 @@ def policy_loss(
         "ratio_sum": tsum(sg_ratio),
         "ratio_max": jnp.max(jnp.where(valid, sg_ratio, 0.0), initial=0.0),
         "ratio_min": jnp.min(jnp.where(valid, sg_ratio, jnp.inf), initial=jnp.inf),
-        **tis_stats,
+        "seq_count": jnp.sum(segments.last_valid(mask_bt, segment_ids_bt).astype(_f32)),
+        **corr_stats,
     }
     return loss, metrics
 
@@ -219,15 +253,23 @@ def metrics_identity(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Turn accumulated metrics into means: ``x_sum`` -> ``x`` = x_sum / max(token_count, 1).
+    """Turn accumulated metrics into means: ``x_sum`` -> ``x`` = x_sum / max(token_count, 1),
+    ``x_seqsum`` -> ``x`` = x_seqsum / max(seq_count, 1), and every source's ``ess``
+    (``importance.finalize``; its squared-weight sum is dropped).
 
     ``_max`` / ``_min`` keys are kept (reported as 0 when there was no valid token), the already
-    normalised losses and ``token_count`` pass through.
+    normalised losses, ``token_count`` and ``seq_count`` pass through.
     """
+    acc = importance.finalize(acc)
     count = acc["token_count"]
+    seqs = acc.get("seq_count", jnp.ones((), _f32))
     out = {}
     for key, value in acc.items():
-        if key.endswith("_sum"):
+        if key.endswith("/is_w2_sum"):
+            continue
+        if key.endswith("_seqsum"):
+            out[key[: -len("_seqsum")]] = value / jnp.maximum(seqs, 1.0)
+        elif key.endswith("_sum"):
             out[key[: -len("_sum")]] = value / jnp.maximum(count, 1.0)
         elif key.endswith(("_max", "_min")):
             out[key] = jnp.where(count > 0, value, 0.0)

@@ -17,6 +17,17 @@ With ``rl.max_staleness`` = k > 0 the rollouts are asynchronous (``async_rollout
 t + k's batch is generated, on a background thread, while step t grades and updates; the phase
 waits for it before the weight sync. Each batch's version lag (from the versions the sampler
 stamps on its completions) is checked against k and logged. k = 0 is the synchronous loop.
+
+Off-policy correction (``algos.importance``, docs/corrections.md): every batch carries the
+sampler's log-probs (``Completion.logprobs``, from the JAX sampler and from vLLM alike) as
+``sampler_logp``. A stale batch (k > 0, ``rl.behaviour_logprobs``) also gets
+``behaviour_logp``, the trainer's log-probs under the version that sampled it: the phase keeps
+a copy of the parameters of every version that still has a batch waiting (at most k + 1 copies)
+and runs the compiled ``prepare`` a second time with them (one more log-prob pass per step),
+so the engine gap (behaviour vs sampler) and the staleness gap (current vs behaviour) are
+corrected and reported apart. After a resume the versions of the k batches saved with the
+checkpoint are gone: those batches use the current parameters as their behaviour version (the
+staleness ratio reads 1) and ``offpolicy/behaviour_exact`` is 0 on those steps.
 """
 
 from __future__ import annotations
@@ -78,6 +89,8 @@ class RLPhase(base.RLStepsPhase):
             self.producer = async_rollouts.RolloutProducer(
                 self._rollout_job, self.cfg.rl.max_staleness
             )
+        # Parameter copies by version, for the behaviour log-probs of stale batches.
+        self._versions: dict[int, object] = {}
 
     def enter(self, params, rng) -> None:
         super().enter(params, rng)
@@ -234,11 +247,36 @@ class RLPhase(base.RLStepsPhase):
         # Rows per microbatch are a multiple of the batch shards, so of the process blocks too.
         return step_lib.pad_rows(rollouts, total // blocks, length), n
 
-    def prepare(self, rollouts, microbatches: int | None = None):
+    def prepare(self, rollouts, microbatches: int | None = None, version: int | None = None):
+        """The compiled ``prepare`` of the step's rollouts; with ``version`` (the weight version
+        that sampled a stale batch) the batch also gets ``behaviour_logp``: the same pass run
+        with that version's kept parameters (module docstring)."""
         compiled = self.compiled_for(microbatches)
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(self.state, fields)
+        if version is not None:
+            metrics = dict(metrics)
+            params = self._versions.get(version)
+            exact = params is not None or version == self.position
+            if params is not None and version != self.position:
+                behaviour, _ = compiled.prepare(self.state.replace(params=params), fields)
+                batch = batch.replace(behaviour_logp=behaviour.old_logp)
+            else:  # the current version sampled it, or its parameters are gone (resume)
+                batch = batch.replace(behaviour_logp=batch.old_logp)
+            metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
+
+    def keep_version(self) -> None:
+        """Before the update: keep a copy of the current parameters (version ``position``) while a
+        batch it samples is still to be trained, and drop the versions no batch needs any more
+        (pending batches of steps t + 1 .. t + k come from versions >= t + 1 - k)."""
+        t, k = self.position, self.cfg.rl.max_staleness
+        if not (k > 0 and self.cfg.rl.behaviour_logprobs):
+            return
+        oldest = max(0, t + 1 - k)
+        self._versions = {v: p for v, p in self._versions.items() if v >= oldest}
+        if t + 1 < self.cfg.rl.steps and t not in self._versions:
+            self._versions[t] = jax.tree.map(lambda x: x.copy(), self.state.params)
 
     def update(self, batch, microbatches: int | None = None):
         # One call per step: the record runs its epochs (rl.epochs_per_step) itself.
@@ -266,6 +304,7 @@ class RLPhase(base.RLStepsPhase):
         timer = metrics_lib.PhaseTimer()
         t, k = self.position, self.cfg.rl.max_staleness
         async_m: dict[str, float] = {}
+        version = None
         if k == 0:
             with timer.phase("sample"):
                 problems, prompts, completions, filter_m = self.sample(self.step_seed(t))
@@ -282,6 +321,8 @@ class RLPhase(base.RLStepsPhase):
                 ro.completions,
                 ro.metrics,
             )
+            if self.cfg.rl.behaviour_logprobs:
+                version = ro.version
             async_m = {
                 "async/staleness": float(async_rollouts.check_lag(ro, t, k)),
                 "async/rollout_version": float(ro.version),
@@ -297,7 +338,8 @@ class RLPhase(base.RLStepsPhase):
             out["tokens/batch_shape_B"] = int(np.shape(rollouts.input_ids)[0])
             out["tokens/padding_fraction"] = 1.0 - float(np.mean(rollouts.attention_mask))
         with timer.phase("logprobs"):
-            batch, prepare_m = self.prepare(rollouts, microbatches)
+            batch, prepare_m = self.prepare(rollouts, microbatches, version=version)
+            self.keep_version()
         with timer.phase("update"):
             update_m = self.update(batch, microbatches)
             update_m, prepare_m = jax.device_get((update_m, prepare_m))
@@ -311,8 +353,8 @@ class RLPhase(base.RLStepsPhase):
         self.position += 1
 
         out.update({k: float(v) for k, v in {**prepare_m, **update_m}.items()})
-        # The update measures the sampler/trainer log-prob gap at rollout time (its TIS metrics);
-        # logged under the dashboard's name as well.
+        # The update measures the sampler/trainer log-prob gap at rollout time (its off-policy
+        # diagnostics); logged under the dashboard's name as well.
         if "logp_diff_abs" in out:
             out["sampler_trainer_logprob_gap_mean"] = out["logp_diff_abs"]
             out["sampler_trainer_logprob_gap_max"] = out["logp_diff_abs_max"]

@@ -31,12 +31,17 @@ PLC = loss_config.PolicyLossConfig
         (PLC, {"ratio_level": "batch"}, "ratio_level must be one of"),
         (PLC, {"kl_estimator": "k4"}, "kl_estimator must be one of"),
         (PLC, {"kl_in": "advantage"}, "kl_in must be one of"),
-        (PLC, {"tis": "batch"}, "tis must be one of"),
+        (PLC, {"tis": "token"}, "replaced by loss.correction"),
+        (loss_config.CorrectionConfig, {"mode": "clip"}, "correction.mode must be one of"),
+        (loss_config.CorrectionConfig, {"level": "batch"}, "correction.level must be one of"),
+        (loss_config.CorrectionConfig, {"source": "vllm"}, "correction.source must be one of"),
+        (loss_config.CorrectionConfig, {"high": 0.0}, "correction.high"),
+        (loss_config.CorrectionConfig, {"low": 3.0, "high": 2.0}, "correction.low"),
         (PLC, {"clip_eps_low": 1.0}, "clip_eps_low"),
         (PLC, {"clip_eps_high": -0.1}, "clip_eps_high"),
         (PLC, {"dual_clip": 1.0}, "dual_clip"),
         (PLC, {"kl_coef": -1.0}, "kl_coef"),
-        (PLC, {"tis_cap": 0.0}, "tis_cap"),
+        (PLC, {"tis_cap": 2.0}, "correction.high=C"),
         (PLC, {"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
         (loss_config.LengthRewardConfig, {"weight": -1.0}, "weight"),
         (loss_config.OverlongConfig, {"max_len": 10, "cache_len": 0}, "cache_len"),
@@ -76,6 +81,7 @@ W = F[:, :3]  # wrong shape (rank 2)
 R3 = F[..., None]  # wrong rank
 C16 = F.astype(np.complex64)  # not a real dtype for masks/rewards
 CFG = PLC()
+CORR = loss_config.CorrectionConfig(mode="icepop")
 D = np.float32(1.0)
 
 
@@ -133,10 +139,16 @@ CASES = {
     "aggregate/den": (lambda: aggregation.aggregate(F, M, CFG, AB), "denominator"),
     "kl/shape": (lambda: kl.kl_estimate(F, W), "ref_logp_bt"),
     "kl/dtype": (lambda: kl.kl_estimate(I, F), "logp_bt"),
-    "tis/rank": (lambda: importance.tis_weights(AB, AB, AB, "token", 2.0), "old_logp_bt"),
-    "tis/shape": (lambda: importance.tis_weights(F, W, M, "token", 2.0), "sampler_logp_bt"),
-    "tis/dtype": (lambda: importance.tis_weights(F, F, C16, "token", 2.0), "mask_bt"),
-    "tis_metrics/shape": (lambda: importance.tis_metrics(F, F, M, W, F), "weights_bt"),
+    "corr/rank": (lambda: importance.correction_weights(AB, AB, CORR), "log_ratio_bt"),
+    "corr/dtype": (lambda: importance.correction_weights(I, M, CORR), "log_ratio_bt"),
+    "corr/mask": (lambda: importance.correction_weights(F, C16, CORR), "mask_bt"),
+    "corr/segments": (
+        lambda: importance.correction_weights(F, M, CORR, segment_ids_bt=F),
+        "segment_ids_bt",
+    ),
+    "corr_level/shape": (lambda: importance.level_log_ratio(F, W, "token"), "mask_bt"),
+    "corr_metrics/shape": (lambda: importance.correction_metrics("p/", F, W, CORR), "mask_bt"),
+    "policy/behaviour": (lambda: _pl(behaviour_logp_bt=W), "behaviour_logp_bt"),
     "gae/rank": (lambda: gae.compute_gae(AB, AB, AB, 1.0, 1.0), "rewards_bt"),
     "gae/shape": (lambda: gae.compute_gae(F, W, M, 1.0, 1.0), "values_bt"),
     "gae/dtype": (lambda: gae.compute_gae(F, I, M, 1.0, 1.0), "values_bt"),
@@ -188,8 +200,9 @@ def test_every_public_array_function_has_a_contract_case():
         aggregation.loss_denominator: "denominator",
         aggregation.aggregate: "aggregate",
         kl.kl_estimate: "kl",
-        importance.tis_weights: "tis",
-        importance.tis_metrics: "tis_metrics",
+        importance.correction_weights: "corr",
+        importance.level_log_ratio: "corr_level",
+        importance.correction_metrics: "corr_metrics",
         gae.compute_gae: "gae",
         gae.ppo_token_rewards: "ppo_rewards",
         gae.value_loss: "value_loss",

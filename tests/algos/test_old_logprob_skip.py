@@ -1,8 +1,9 @@
 """GRPO's old-log-prob pass: skipped only when it is provably the current policy's (one epoch on
 rollouts that cannot be stale), and the skipped path updates exactly as the explicit one.
 
-Truncated IS (``tis``) must weight by old / sampler log-probs on both paths: the sampler's own
-log-probs (``sampler_logp``) stay the denominator whether ``old_logp`` was computed or not.
+The off-policy correction (token truncation of old / sampler) must weight on both paths: the
+sampler's own log-probs (``sampler_logp``) stay the denominator whether ``old_logp`` was
+computed or not.
 """
 
 import dataclasses
@@ -59,7 +60,9 @@ def _grpo(graphdef, **kw):
     """The record of these settings, its prepare and update jitted once (shared by the tests)."""
     key = tuple(sorted(kw.items()))
     if key not in _RECORDS:
-        loss = loss_config.PolicyLossConfig(tis="token", tis_cap=1.5)
+        loss = loss_config.PolicyLossConfig(
+            correction=loss_config.CorrectionConfig(mode="truncate", high=1.5)
+        )
         cfg = grpo.GRPOUpdateConfig(loss=loss)
         algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.5), cfg, **kw)
         _RECORDS[key] = dataclasses.replace(
@@ -116,8 +119,8 @@ def test_skipped_path_equals_explicit_old_logprobs(setup):
     gap = np.abs(logp - rollouts.sampler_logp)[mask]
     assert (w < 1.0).any() and (w == 1.5).any()  # the case tests both sides of the cap
     for m in (m_s, m_e):
-        assert float(m["tis_weight"]) == pytest.approx(w.mean(), rel=1e-5)
-        assert float(m["tis_truncated"]) == pytest.approx((w == 1.5).mean(), rel=1e-5)
+        assert float(m["offpolicy/weight"]) == pytest.approx(w.mean(), rel=1e-5)
+        assert float(m["offpolicy/both/truncated"]) == pytest.approx((w == 1.5).mean(), rel=1e-5)
         assert float(m["logp_diff_abs"]) == pytest.approx(gap.mean(), rel=1e-5)
 
 
@@ -136,4 +139,4 @@ def test_tis_changes_the_update_on_the_skipped_path(setup):
         for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(new2.params))
     )
     assert diff > 1e-4
-    assert float(m2["tis_weight"]) == pytest.approx(1.0, abs=1e-5)
+    assert float(m2["offpolicy/weight"]) == pytest.approx(1.0, abs=1e-5)

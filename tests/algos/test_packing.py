@@ -1,7 +1,8 @@
 """Sequence packing is exact: the same rollouts packed several per row (segment ids, per-segment
 positions) give the same loss, metrics and gradients as one rollout per padded row, for every
-aggregation mode, GSPO, KL in the loss and in the reward, sequence TIS, expert iteration, SFT and
-PPO with GAE; and attention never crosses a segment."""
+aggregation mode, GSPO, KL in the loss and in the reward, sequence-level truncation and
+geometric IcePop, expert iteration, SFT and PPO with GAE; and attention never crosses a
+segment."""
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,12 @@ POLICY_CASES = {
     "seq_mean_token_sum_norm": dict(aggregation="seq_mean_token_sum_norm", norm_constant=16.0),
     "gspo": dict(ratio_level="sequence", clip_eps_low=3e-3, clip_eps_high=4e-3),
     "kl_in_loss_entropy": dict(kl_coef=0.1, kl_in="loss", entropy_coef=0.01),
-    "tis_sequence_dual_clip": dict(tis="sequence", tis_cap=2.0, dual_clip=3.0),
+    "truncate_sequence_dual_clip": dict(
+        correction=loss_config.CorrectionConfig(mode="truncate", level="sequence"), dual_clip=3.0
+    ),
+    "icepop_geometric": dict(
+        correction=loss_config.CorrectionConfig(mode="icepop", level="geometric", high=1.05)
+    ),
 }
 
 

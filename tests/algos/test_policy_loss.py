@@ -12,6 +12,7 @@ import pytest
 from jaxrlvr.algos import aggregation, loss_config, policy_loss
 
 PLC = loss_config.PolicyLossConfig
+CC = loss_config.CorrectionConfig
 MODES = typing.get_args(loss_config.Aggregation)
 
 CONFIGS = {
@@ -23,8 +24,12 @@ CONFIGS = {
     "kl_k3_entropy": PLC(kl_coef=0.1, entropy_coef=0.01),
     "kl_k1_reward": PLC(kl_coef=0.1, kl_estimator="k1", kl_in="reward"),
     "kl_k2": PLC(kl_coef=0.3, kl_estimator="k2", aggregation="seq_mean_token_sum"),
-    "tis_token": PLC(tis="token", tis_cap=1.5),
-    "tis_sequence": PLC(tis="sequence", tis_cap=1.2, aggregation="token_mean"),
+    "truncate_token": PLC(correction=CC(mode="truncate", high=1.5)),
+    "truncate_sequence": PLC(
+        correction=CC(mode="truncate", level="sequence", high=1.2), aggregation="token_mean"
+    ),
+    "mask_geometric": PLC(correction=CC(mode="mask", level="geometric", high=1.3)),
+    "icepop_token_engine": PLC(correction=CC(mode="icepop", source="engine", high=1.5)),
     "no_clip": PLC(clip=False),
 }
 
@@ -63,7 +68,10 @@ def _loop_reference(d, cfg):
     for i in range(b):
         valid = [j for j in range(t) if mask[i, j]]
         seq_log_ratio = sum(float(lp[i, j]) - float(old[i, j]) for j in valid) / max(len(valid), 1)
-        seq_log_w = sum(float(old[i, j]) - float(sampler[i, j]) for j in valid)
+        corr = cfg.correction
+        tok_log_w = {j: float(old[i, j]) - float(sampler[i, j]) for j in valid}
+        seq_log_w = sum(tok_log_w.values())
+        low, high = corr.band
         total = 0.0
         for j in valid:
             if cfg.ratio_level == "sequence":
@@ -80,10 +88,20 @@ def _loop_reference(d, cfg):
             pg = -min(unclipped, clipped)
             if cfg.dual_clip is not None and a < 0:
                 pg = min(pg, -cfg.dual_clip * a)
-            log_w = {"none": 0.0, "token": float(old[i, j]) - float(sampler[i, j])}.get(
-                cfg.tis, seq_log_w
-            )
-            w = min(math.exp(min(max(log_w, -clamp), clamp)), cfg.tis_cap)
+            # No behaviour log-probs here: engine and both are old / sampler.
+            log_w = {
+                "token": tok_log_w[j],
+                "sequence": seq_log_w,
+                "geometric": seq_log_w / len(valid),
+            }[corr.level]
+            r = math.exp(min(max(log_w, -clamp), clamp))
+            inside = low <= r <= high
+            w = {
+                "none": 1.0,
+                "truncate": min(max(r, low), high),
+                "mask": float(inside),
+                "icepop": r * inside,
+            }[corr.mode]
             log_r = min(max(float(ref[i, j]) - float(lp[i, j]), -clamp), clamp)
             k = {
                 "k1": -log_r,
@@ -210,19 +228,19 @@ def test_gspo_gradient_is_sequence_ratio_times_mean_token_gradient():
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-8)
 
 
-def test_tis_weights_and_metrics():
+def test_truncate_weights_and_metrics():
     d = _batch(3, gap=1.0)
-    _, m = _run(d, PLC(tis="token", tis_cap=1.5))
+    _, m = _run(d, PLC(correction=CC(mode="truncate", high=1.5)))
     diff = (d["old"] - d["sampler"]).astype(np.float64)
     valid = d["mask"] > 0
     w = np.minimum(np.exp(diff), 1.5)
-    assert float(m["tis_weight_sum"]) == pytest.approx(w[valid].sum(), rel=1e-5)
-    assert float(m["tis_truncated_sum"]) == (np.exp(diff) > 1.5)[valid].sum()
+    assert float(m["offpolicy/weight_sum"]) == pytest.approx(w[valid].sum(), rel=1e-5)
+    assert float(m["offpolicy/both/truncated_sum"]) == (np.exp(diff) > 1.5)[valid].sum()
     assert float(m["logp_diff_abs_sum"]) == pytest.approx(np.abs(diff)[valid].sum(), rel=1e-5)
     assert float(m["logp_diff_abs_max"]) == pytest.approx(np.abs(diff)[valid].max(), rel=1e-6)
-    # TIS weights carry no gradient: d/d lp of the weighted loss = w * d/d lp of the plain loss
-    # for token-level TIS (ratio and weight are both per token).
-    cfg_w, cfg_0 = PLC(tis="token", tis_cap=1.5), PLC()
+    # The weights carry no gradient: d/d lp of the weighted loss = w * d/d lp of the plain loss
+    # at token level (ratio and weight are both per token).
+    cfg_w, cfg_0 = PLC(correction=CC(mode="truncate", high=1.5)), PLC()
     g_w = jax.grad(lambda x: _run(d, cfg_w, lp=x)[0])(jnp.asarray(d["lp"]))
     g_0 = jax.grad(lambda x: _run(d, cfg_0, lp=x)[0])(jnp.asarray(d["lp"]))
     np.testing.assert_allclose(g_w, w * np.asarray(g_0), rtol=1e-5, atol=1e-8)
@@ -244,7 +262,7 @@ def test_one_vs_four_microbatches_full_objective(mode):
         norm_constant=10.0 if mode == "seq_mean_token_sum_norm" else None,
         kl_coef=0.05,
         entropy_coef=0.01,
-        tis="token",
+        correction=CC(mode="icepop", level="geometric", high=1.5),
         dual_clip=3.0,
         clip_eps_high=0.28,
     )
@@ -297,7 +315,9 @@ def test_missing_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="ref_logp_bt"):
         _run(d, PLC(kl_coef=0.1), ref_logp_bt=None)
     with pytest.raises(ValueError, match="sampler_logp_bt"):
-        _run(d, PLC(tis="sequence"), sampler_logp_bt=None)
+        _run(d, PLC(correction=CC(mode="mask", level="sequence")), sampler_logp_bt=None)
+    with pytest.raises(ValueError, match="loss.correction"):
+        PLC(tis="token")
     with pytest.raises(ValueError, match="entropy_bt"):
         _run(d, PLC(entropy_coef=0.1), entropy_bt=None)
 
@@ -318,11 +338,12 @@ class PolicyLossVariantsTest(chex.TestCase):
             "grpo": PLC(),
             "everything_token": PLC(
                 aggregation="token_mean", dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01,
-                tis="token", clip_eps_high=0.28,
+                correction=CC(mode="truncate"), clip_eps_high=0.28,
             ),
-            "gspo_drgrpo_tis_seq": PLC(
+            "gspo_drgrpo_icepop_seq": PLC(
                 ratio_level="sequence", aggregation="seq_mean_token_sum_norm", norm_constant=8.0,
-                tis="sequence", kl_coef=0.1, kl_estimator="k2",
+                correction=CC(mode="icepop", level="sequence", high=3.0), kl_coef=0.1,
+                kl_estimator="k2",
             ),
         }  # fmt: skip
         for name, cfg in configs.items():
