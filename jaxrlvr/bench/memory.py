@@ -20,6 +20,11 @@ Configurations: ``--fsdp 1,8`` (mesh data=1, fsdp=N on N fake CPU devices) x ``-
 (``rl.logprob_chunk_size`` None or ``--chunk-size``) x ``--packing off,on`` ("on" adds the packed
 batch's ``segment_ids``/``positions``; the per-microbatch shape is the same, packing only needs
 fewer microbatches for the same rollouts).
+``--lora off,f32,bf16`` adds LoRA cases (``model.lora``, rank ``--lora-rank`` on every
+projection, alpha 2 x rank): the base frozen in float32 or in bfloat16 storage, the float32
+adapters and their AdamW moments the only trained state (the engine differentiates the adapters
+only, so the in-place accumulation of ``model.grad_sink`` is not used: the adapters' gradients
+are small).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
 
 Usage: ``jaxrlvr bench memory [--fsdp 1,8] [--chunk off,on] [--packing off] [--json PATH]``.
@@ -46,18 +51,30 @@ ROLLOUTS, PROMPT, RESPONSE = 256, 256, 1024
 CONFIG = "configs/r1_zero_qwen2.5_math_1.5b.yaml"
 
 
-def qwen25_math_1_5b():
+def qwen25_math_1_5b(**overrides):
     """The Qwen2.5-Math-1.5B architecture (config.json of the checkpoint), bf16 compute, float32
     storage, remat, scanned layers."""
     from jaxrlvr.model import config as model_config
 
-    return model_config.ModelConfig.qwen2_5_math_1_5b(
-        dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True
-    )
+    fields = dict(dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True)
+    return model_config.ModelConfig.qwen2_5_math_1_5b(**{**fields, **overrides})
 
 
-def tiny_model():
-    return common.tiny(dtype="bfloat16", remat=True)
+def tiny_model(**overrides):
+    return common.tiny(**{"dtype": "bfloat16", "remat": True, **overrides})
+
+
+LORA_CHOICES = ("off", "f32", "bf16")
+
+
+def model_overrides(lora: str, rank: int) -> dict:
+    """ModelConfig fields of a ``--lora`` choice: none, or LoRA on a float32 / bfloat16 base."""
+    if lora == "off":
+        return {}
+    from jaxrlvr.model import lora as lora_lib
+
+    dtype = {"f32": "float32", "bf16": "bfloat16"}[lora]
+    return dict(param_dtype=dtype, lora=lora_lib.LoRAConfig(rank=rank, alpha=2.0 * rank))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +86,8 @@ class Case:
     rollouts: int
     seq: int
     tiny: bool
+    lora: str = "off"
+    lora_rank: int = 16
 
     @property
     def rows_per_microbatch(self) -> int:
@@ -125,7 +144,8 @@ def measure(case: Case) -> dict:
     from jaxrlvr import model as model_lib
     from jaxrlvr.algos import step
 
-    cfg = tiny_model() if case.tiny else qwen25_math_1_5b()
+    overrides = model_overrides(case.lora, case.lora_rank)
+    cfg = tiny_model(**overrides) if case.tiny else qwen25_math_1_5b(**overrides)
     mesh = model_lib.make_mesh(
         model_lib.MeshConfig(data=1, fsdp=case.fsdp, tensor=1), jax.devices()[: case.fsdp]
     )
@@ -154,11 +174,14 @@ def measure(case: Case) -> dict:
         code=m.generated_code_size_in_bytes,
     )
     out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    from jaxrlvr.model import lora as lora_lib
+
     return dict(
         bytes=out,
         lower_s=lower_s,
         compile_s=compile_s,
         params=cfg.num_params(),
+        trained_params=sum(x.size for x in jax.tree.leaves(lora_lib.trainable(params_shape))),
         devices=len(jax.devices()),
     )
 
@@ -196,9 +219,12 @@ def run_case(case: Case, timeout_s: float | None = None) -> dict:
 def _row(r: dict) -> str:
     c = r["case"]
     chunk = "off" if c["chunk_size"] is None else str(c["chunk_size"])
+    lora = c.get("lora", "off")
+    lora = lora if lora == "off" else f"r{c['lora_rank']}/{lora}"
     head = (
         f"{c['fsdp']:>4} {c['microbatches'] if 'microbatches' in c else '':>5}"
         f" {c['rows_per_device'] * c['fsdp']:>4} {chunk:>5} {'on' if c['packing'] else 'off':>4}"
+        f" {lora:>8}"
     )
     if "error" in r:
         return f"{head}  error: {r['error']}"
@@ -210,8 +236,8 @@ def _row(r: dict) -> str:
 
 
 HEADER = (
-    "fsdp   mbs rows chunk pack    args    outs   temps   alias   total  compile  remat\n"
-    "                                (GiB per device)                     (s)  warns"
+    "fsdp   mbs rows chunk pack     lora    args    outs   temps   alias   total  compile  remat\n"
+    "                                         (GiB per device)                     (s)  warns"
 )
 
 
@@ -229,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256, help="positions per chunk when on")
     p.add_argument("--packing", default="off", help="packed batch fields: off,on")
     p.add_argument("--rows-per-device", type=int, default=2, help="rows per device per microbatch")
+    p.add_argument(
+        "--lora", default="off", help="comma list: off (full), f32 / bf16 (LoRA on such a base)"
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the lora cases")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--tiny", action="store_true", help="a tiny model at a small shape (seconds)")
     args = p.parse_args(argv)
@@ -239,22 +269,26 @@ def main(argv: list[str] | None = None) -> int:
     rollouts, seq = (16, 64) if args.tiny else (ROLLOUTS, PROMPT + RESPONSE)
     records = []
     print(HEADER, flush=True)
+    loras = common.comma_list(p, "--lora", args.lora, LORA_CHOICES)
     for fsdp in sizes:
         for chunk in _flags(args.chunk, "--chunk", p):
             for packing in _flags(args.packing, "--packing", p):
-                case = Case(
-                    fsdp=fsdp,
-                    chunk_size=(16 if args.tiny else args.chunk_size) if chunk else None,
-                    packing=packing,
-                    rows_per_device=args.rows_per_device,
-                    rollouts=rollouts,
-                    seq=seq,
-                    tiny=args.tiny,
-                )
-                record = run_case(case, args.timeout)
-                record["case"]["microbatches"] = case.microbatches
-                records.append(record)
-                print(_row(record), flush=True)
+                for lora in loras:
+                    case = Case(
+                        fsdp=fsdp,
+                        chunk_size=(16 if args.tiny else args.chunk_size) if chunk else None,
+                        packing=packing,
+                        rows_per_device=args.rows_per_device,
+                        rollouts=rollouts,
+                        seq=seq,
+                        tiny=args.tiny,
+                        lora=lora,
+                        lora_rank=args.lora_rank,
+                    )
+                    record = run_case(case, args.timeout)
+                    record["case"]["microbatches"] = case.microbatches
+                    records.append(record)
+                    print(_row(record), flush=True)
     common.save_json(args.json, records)
     return 0 if all("error" not in r for r in records) else 1
 

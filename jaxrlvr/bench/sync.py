@@ -10,8 +10,16 @@ both, and ``bytes_written`` counts the untied ``lm_head`` copy that ``bytes`` (t
 does not. Shapes: "ref" is the issue's reference shape (vocab 8192, hidden 256, intermediate 704,
 4 layers, 4 heads, 2 KV heads, untied, float32, ~7M params); "50m" is a ~50M-param random model.
 
-Usage: ``jaxrlvr bench sync [--json PATH] [--vllm-python PATH] [--shapes ref,50m] [--repeats N]``
-(or ``python benchmarks/bench_sync.py``); ``--vllm-python`` defaults to env JAXRLVR_VLLM_PYTHON.
+LoRA (``--lora-ranks 16,64``): for each shape, two servers (a plain one and one started with
+LoRA, ``VLLMServer(lora_rank=max rank)``) and, interleaved in one loop (full, rank a, rank b,
+full, ...), the full sync against the adapter sync of a LoRA model of each rank on every
+projection (``VLLMSampler``'s LoRA route: PEFT export, ``/v1/load_lora_adapter``, unload of the
+previous adapter). Each record adds ``first_generate_s``, the median of a 1-token generation
+right after each sync (vLLM activates a new adapter on its first request), and ``bytes_written``.
+
+Usage: ``jaxrlvr bench sync [--json PATH] [--vllm-python PATH] [--shapes ref,50m] [--repeats N]
+[--lora-ranks 16,64]`` (or ``python benchmarks/bench_sync.py``); ``--vllm-python`` defaults to env
+JAXRLVR_VLLM_PYTHON.
 Not a test: numbers are for the closing note and for spotting regressions by eye.
 """
 
@@ -124,20 +132,135 @@ def bench_shape(name: str, python: str, repeats: int, workdir: str) -> dict:
     return record
 
 
+def _perturbed(params, seed: int, only=None):
+    """``params`` + 1e-3 noise (every leaf, or only the leaves of the sub-state ``only``)."""
+    import jax
+    from flax import nnx
+
+    target = params if only is None else only
+    leaves, treedef = jax.tree.flatten(target)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noise = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    new = jax.tree.unflatten(treedef, [x + 1e-3 * e for x, e in zip(leaves, noise)])
+    if only is not None:
+        new = nnx.merge_state(params, new)
+    return jax.block_until_ready(new)  # time the sync, not the perturbation
+
+
+def bench_lora(name: str, ranks: list[int], python: str, repeats: int, workdir: str) -> list:
+    """Full sync vs adapter sync at each rank, interleaved (module docstring)."""
+    from flax import nnx
+
+    from jaxrlvr import model as jmodel
+    from jaxrlvr.model import lora, weights
+    from jaxrlvr.sampling import base, vllm_sampler, vllm_server
+
+    cfg = SHAPES[name]()
+    graphdef, params = nnx.split(jmodel.init_model(cfg, seed=0), nnx.Param)
+    model_dir = os.path.join(workdir, name)
+    jmodel.save_hf(nnx.merge(graphdef, params), model_dir, tokenizer_src=_tokenizer(model_dir))
+    systems = {"full": (cfg, params)}
+    for r in ranks:
+        lcfg = cfg.replace(lora=lora.LoRAConfig(rank=r, alpha=2.0 * r))
+        adapters = weights.init_adapters(lcfg, seed=r)
+        systems[f"lora-r{r}"] = (lcfg, nnx.merge_state(params, adapters))
+    servers, starts = {}, {}
+    one = base.SamplingParams(max_tokens=1, seed=0)
+    try:
+        for kind, rank in (("plain", None), ("lora", max(ranks))):
+            t0 = time.perf_counter()
+            servers[kind] = vllm_server.VLLMServer(
+                model_dir,
+                python=python,
+                max_model_len=256,
+                log_path=os.path.join(workdir, f"{name}-{kind}.log"),
+                lora_rank=rank,
+            )
+            starts[kind] = time.perf_counter() - t0
+        samplers = {
+            key: vllm_sampler.VLLMSampler(
+                c, servers["plain" if key == "full" else "lora"], export_dir=None
+            )
+            for key, (c, _) in systems.items()
+        }
+        first = {}
+        for key, s in samplers.items():
+            t0 = time.perf_counter()
+            s.generate([[1, 2, 3]], 1, one)
+            first[key] = time.perf_counter() - t0
+        runs = {key: [] for key in systems}
+        for i in range(repeats):
+            for key, (c, p) in systems.items():  # interleaved: full, r_a, r_b, full, ...
+                new = _perturbed(p, 100 + i, None if c.lora is None else lora.adapters(p))
+                timing = samplers[key].update_weights(new, version=i + 1)
+                t0 = time.perf_counter()
+                samplers[key].generate([[1, 2, 3]], 1, one)
+                timing["first_generate_s"] = time.perf_counter() - t0
+                runs[key].append(timing)
+        for key, s in samplers.items():
+            assert s.live_versions() == [str(repeats)], (key, s.live_versions())
+            s.close()
+    finally:
+        for server in servers.values():
+            server.stop()
+    records = []
+    for key, (c, p) in systems.items():
+        rs = runs[key]
+        parts = [k for k in rs[0] if k.endswith("_s")]
+        rec = {
+            "benchmark": "sync",
+            "system": f"vllm-{key}",
+            "shape": name,
+            "num_params": c.num_params(),
+            "lora_rank": None if c.lora is None else c.lora.rank,
+            "adapter_params": lora.num_adapter_params(p),
+            "repeats": repeats,
+            "startup_s": starts["plain" if key == "full" else "lora"],
+            "first_request_s": first[key],
+            "bytes_written": rs[-1]["bytes_written"],
+        }
+        for part in parts:
+            rec[part] = statistics.median(r[part] for r in rs)
+        rec["all_total_s"] = [r["total_s"] for r in rs]
+        rec["all_first_generate_s"] = [r["first_generate_s"] for r in rs]
+        records.append(rec)
+    return records
+
+
 def main(argv=None) -> int:
     parser = common.parser("sync", __doc__)
     common.add_vllm_python(parser, " (required)")
     parser.add_argument("--shapes", default="ref,50m", help=f"comma list of {', '.join(SHAPES)}")
     common.add_repeats(parser, 5, "timed syncs per shape")
+    parser.add_argument(
+        "--lora-ranks",
+        default="",
+        help="comma list of LoRA ranks: compare adapter syncs with the full sync (interleaved)",
+    )
     args = parser.parse_args(argv)
     if not args.vllm_python:
         parser.error(
             f"need --vllm-python or env {common.VLLM_PYTHON_ENV} (see scripts/setup_vllm.sh)"
         )
     shapes = common.comma_list(parser, "--shapes", args.shapes, tuple(SHAPES))
+    try:
+        ranks = [int(r) for r in args.lora_ranks.split(",") if r]
+    except ValueError:
+        parser.error(f"--lora-ranks: expected a comma list of integers, got {args.lora_ranks!r}")
     records = []
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as workdir:
-        for name in shapes:
+        for name in shapes if ranks else ():
+            recs = bench_lora(name, ranks, args.vllm_python, args.repeats, workdir)
+            records.extend(recs)
+            for rec in recs:
+                print(
+                    f"{name:>4} {rec['system']:>16} {rec['bytes_written'] / 2**20:8.1f} MiB: "
+                    f"total={rec['total_s'] * 1e3:.1f}ms export={rec['export_s'] * 1e3:.1f}ms "
+                    f"first_generate={rec['first_generate_s'] * 1e3:.1f}ms "
+                    f"all_total={[round(x, 3) for x in rec['all_total_s']]}",
+                    flush=True,
+                )
+        for name in shapes if not ranks else ():
             rec = bench_shape(name, args.vllm_python, args.repeats, workdir)
             records.append(rec)
             print(

@@ -36,9 +36,9 @@ reports the time it waited for in-flight requests as ``wait_inflight_s``.
 LoRA (a policy whose ``cfg.lora`` is set, servers started with ``VLLMServer(lora_rank=...)``):
 the servers keep the base model they started on, and each `update_weights` exports only the
 adapters, in PEFT's layout (``model.peft.save_adapter``: megabytes instead of the model), to a
-new directory, loads them on every server as a new adapter (``POST /v1/load_lora_adapter``, name
-``jaxrlvr-lora-<n>``), switches the rollouts' ``model`` to that name under the version gate (so
-requests in flight finish on the old adapter), then unloads the old adapter (``POST
+new directory, loads them on every server as a new adapter (``POST /v1/load_lora_adapter``,
+name ``jaxrlvr-lora-<sampler id>-<n>``), switches the rollouts' ``model`` to that name under the
+version gate (so requests in flight finish on the old adapter), then unloads the old adapter (``POST
 /v1/unload_lora_adapter``) and removes its directory. vLLM keys its prefix cache by adapter, so
 no cache reset is needed; ``/update_weight_version`` still records the version. Before the first
 update the rollouts name the base model (fresh adapters have B = 0: the same function). A
@@ -61,6 +61,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -292,6 +293,8 @@ class VLLMSampler:
         self.adapter_name: str | None = None  # the adapter rollouts name (LoRA), None: the base
         self._adapter_dir: str | None = None
         self._adapter_loads = 0
+        # Adapter names are unique per sampler: several samplers may share a server.
+        self._adapter_prefix = f"jaxrlvr-lora-{uuid.uuid4().hex[:8]}"
         self.version = 0
         self._gate = VersionGate()
         self._rr = 0
@@ -552,7 +555,7 @@ class VLLMSampler:
         if self.export_dir is None:
             self.export_dir = weight_export.default_export_dir()
         self._adapter_loads += 1
-        name = f"jaxrlvr-lora-{self._adapter_loads}"
+        name = f"{self._adapter_prefix}-{self._adapter_loads}"
         path = os.path.join(self.export_dir, name)
         timings = peft.save_adapter(self.cfg, weights, path)
         t1 = time.perf_counter()
