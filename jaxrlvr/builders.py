@@ -56,7 +56,11 @@ def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfi
     """The policy's architecture: the checkpoint's config.json, or the random model's shape."""
     m = cfg.model
     choices = dict(
-        dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        lora=m.lora,
     )
     if m.path is not None:
         return model_lib.ModelConfig.from_json(os.path.join(m.path, "config.json"), **choices)
@@ -89,6 +93,8 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
             mesh=mesh,
             remat=m.remat,
             scan_layers=m.scan_layers,
+            lora=m.lora,
+            lora_seed=cfg.run.seed,
         )
     return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
 
@@ -229,6 +235,8 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
             extra_args=s.vllm_extra_args,
             log_path=log_path,
             start=False,
+            # LoRA: the servers keep the base and load each step's adapters (VLLMSampler).
+            lora_rank=None if model.config.lora is None else model.config.lora.rank,
         )
         for gpus, log_path in zip(groups, logs)
     ]

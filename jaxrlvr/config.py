@@ -21,6 +21,7 @@ from jaxrlvr.data.synthetic import SyntheticConfig
 from jaxrlvr.data.synthetic_code import SyntheticCodeConfig
 from jaxrlvr.distributed import DistributedConfig
 from jaxrlvr.model.config import dtype_name
+from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.sharding import MeshConfig
 from jaxrlvr.rewards.code import CodeRewardConfig
 from jaxrlvr.rewards.sandbox import SandboxKind
@@ -59,6 +60,9 @@ class ModelSection:
     param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = True
+    # Low-rank adapters (``model.lora.LoRAConfig``: rank, alpha, dropout, targets, use_rslora):
+    # every phase then trains only the adapters of a frozen base (docs/lora.md); null: full.
+    lora: LoRAConfig | None = None
     # Shape of a randomly initialised model (used when ``path`` is None).
     hidden_size: int = 64
     intermediate_size: int = 256

@@ -530,7 +530,8 @@ def save_hf_params(
     name and renamed into place.
 
     Args:
-      cfg: the model's config; params: its ``nnx.Param`` state.
+      cfg: the model's config; params: its ``nnx.Param`` state (LoRA adapters in it are not
+        written: the base weights are; ``save_hf`` merges them first).
       untied: for a tied model, also write ``lm_head.weight`` (a copy of the embedding) and say
         ``tie_word_embeddings: false`` in config.json.
       config: write config.json "always", only "if_missing" (a repeated export of new weights
@@ -575,10 +576,17 @@ def save_hf(
     tokenizer_src=None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """Writes config.json and safetensors that ``transformers.AutoModelForCausalLM`` loads."""
+    """Writes config.json and safetensors that ``transformers.AutoModelForCausalLM`` loads.
+
+    A model with LoRA adapters is written merged (``lora.merged``: each adapter folded into its
+    kernel), a plain checkpoint of the function it computes; ``model.peft.save_adapter`` writes
+    the adapters alone. (``save_hf_params`` / ``hf_state_dict`` write the base weights only.)"""
+    params = nnx.state(model, nnx.Param)
+    if model.config.lora is not None:
+        params = lora_lib.merged(model.config.lora, params)
     save_hf_params(
         model.config,
-        nnx.state(model, nnx.Param),
+        params,
         path,
         tokenizer_src=tokenizer_src,
         max_shard_bytes=max_shard_bytes,
