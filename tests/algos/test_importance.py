@@ -206,7 +206,7 @@ def test_composed_ratio_is_the_product_of_engine_and_staleness():
 _logps = st.lists(st.floats(-6.0, -0.01), min_size=1, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     rows=st.lists(_logps, min_size=1, max_size=4),
     level=st.sampled_from(LEVELS),
@@ -214,8 +214,7 @@ _logps = st.lists(st.floats(-6.0, -0.01), min_size=1, max_size=6)
     high=st.floats(1.0, 5.0),
 )
 def test_identity_when_the_policies_agree(rows, level, mode, high):
-    t = max(map(len, rows))
-    lp = np.full((len(rows), t), -1.0, np.float32)
+    lp = np.full((4, 6), -1.0, np.float32)  # one shape for every example: no recompiles
     mask = np.zeros_like(lp)
     for i, r in enumerate(rows):
         lp[i, : len(r)], mask[i, : len(r)] = r, 1.0
@@ -229,7 +228,7 @@ def test_identity_when_the_policies_agree(rows, level, mode, high):
     assert float(fin["x/ess"]) == pytest.approx(1.0, rel=1e-6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     level=st.sampled_from(LEVELS),
@@ -252,16 +251,16 @@ def test_masking_is_monotone_in_the_band(seed, level, mode, lows, highs):
     assert np.all(kept_wide[kept_narrow])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     logps=st.lists(st.tuples(st.floats(-8, -0.01), st.floats(-8, -0.01)), min_size=1, max_size=8),
     mode=st.sampled_from(MODES),
     high=st.floats(1.0, 5.0),
 )
 def test_levels_agree_on_one_token_sequences(logps, mode, high):
-    a = np.array([[x] for x, _ in logps], np.float32)
-    b = np.array([[y] for _, y in logps], np.float32)
-    mask = np.ones_like(a)
+    a, b, mask = np.zeros((8, 1), np.float32), np.zeros((8, 1), np.float32), np.zeros((8, 1))
+    for i, (x, y) in enumerate(logps):  # one shape for every example; unused rows masked
+        a[i, 0], b[i, 0], mask[i, 0] = x, y, 1.0
     outs = [
         importance.correction_weights(jnp.asarray(a - b), mask, CC(mode=mode, level=lv, high=high))
         for lv in LEVELS

@@ -5,7 +5,8 @@
   server finished it once), and the update waited for it; a request sent afterwards runs on the
   new weights.
 - The training loop with ``rl.max_staleness=1`` and the vLLM sampler: every batch's version lag,
-  read from the versions stamped on its completions, is exactly what the schedule allows.
+  read from the versions stamped on its completions, is exactly what the schedule allows; the
+  off-policy diagnostics split vLLM's engine gap (~0 in float32) from the staleness gap.
 
 Tolerance for log-prob agreement: 1e-4, float32 on both sides (as tests/sampling/test_vllm.py).
 """
@@ -130,4 +131,11 @@ def test_k1_loop_with_the_vllm_server_lags_exactly_one_version(vllm_server, tiny
     assert [x["async/staleness"] for x in lines] == [0, 1, 1]
     for x in lines:
         assert "sync/wait_inflight_s" in x and "time/wait_rollouts_s" in x
+        # The off-policy diagnostics split by source (docs/corrections.md): vLLM's float32
+        # log-probs against the trainer's under the same (kept) version differ by ~5e-7, so the
+        # engine KL is ~0 (k3 ~ d^2 / 2); the staleness gap is the one-version lag.
+        assert x["offpolicy/behaviour_exact"] == 1.0
+        assert abs(x["offpolicy/engine/k1"]) < 1e-4 and x["offpolicy/engine/k3"] < 1e-6, x
+    assert lines[0]["offpolicy/staleness/k3"] == 0.0  # step 0: version 0 trains version 0's batch
+    assert all(x["offpolicy/staleness/k3"] > 1e-7 for x in lines[1:])
     assert live == "3"
