@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The off-policy correction experiment of docs/corrections.md: the demo task with asynchronous
+# rollouts four versions old at 10x the demo's learning rate (configs/experiments/offpolicy_k4.yaml),
+# four arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
+# shared SFT warm start (built by the first seed's invocation), then the table and the plot.
+#   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=100
+set -euo pipefail
+OUT=${OUT:-runs/offpolicy}
+SEEDS=${SEEDS:-"0 1 2"}
+STEPS=${STEPS:-100}
+C=rl.loss.correction
+ROWS=(
+  --row "token_truncate:$C.mode=truncate,$C.level=token,$C.high=2"
+  --row "sequence_mask:$C.mode=mask,$C.level=sequence,$C.high=2"
+  --row "icepop:$C.mode=icepop,$C.level=token,$C.low=0.5,$C.high=5"
+)
+warm=""
+for s in $SEEDS; do
+  # --systems jaxrlvr: the config itself, the "none" arm (rl.off_policy_correction: false).
+  jaxrlvr bench loop --config configs/experiments/offpolicy_k4.yaml --systems jaxrlvr \
+    "${ROWS[@]}" --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" \
+    ${warm:+--warm-start "$warm"}
+  warm=${warm:-$OUT/seed$s/warm_start_hf}
+done
+python docs/experiments/offpolicy_report.py "$OUT" --png docs/experiments/offpolicy.png
