@@ -16,6 +16,7 @@ from jaxrlvr import configlib
 from jaxrlvr.algos import loss_config
 from jaxrlvr.algos import ppo as ppo_lib
 from jaxrlvr.algos.optim import OptimizerConfig
+from jaxrlvr.data.multiplication import MultiplicationConfig
 from jaxrlvr.data.scratchpad import ScratchpadConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
 from jaxrlvr.data.synthetic_code import SyntheticCodeConfig
@@ -87,9 +88,11 @@ class DataSection:
     """Problems with checkable answers.
 
     ``train`` / ``eval``: "synthetic" (the seeded arithmetic task), "scratchpad" (the seeded
-    arithmetic task with written work, ``data.scratchpad``), a local jsonl/parquet file, or a hub
-    dataset name; the generated tasks' sizes are ``synthetic_train_size`` and
-    ``synthetic_eval_size``. ``template``: the prompt template. ``gold_format``: the completion an
+    arithmetic task with written work, ``data.scratchpad``), "multiplication" (3-4 digit
+    products, solved with the Python tool: ``data.multiplication``, ``env.tools``), a local
+    jsonl/parquet file, or a hub dataset name; the generated tasks' sizes are
+    ``synthetic_train_size`` and ``synthetic_eval_size``. ``template``: the prompt template.
+    ``gold_format``: the completion an
     SFT warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer and
     ``{solution}`` by its worked solution (``Problem.solution``). ``shards``: the training items
     are split by the seed into this many data shards, each process reading only its own
@@ -108,6 +111,7 @@ class DataSection:
     template: Literal["r1_zero", "question_only", "chat"] = "r1_zero"
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
     scratchpad: ScratchpadConfig = dataclasses.field(default_factory=ScratchpadConfig)
+    multiplication: MultiplicationConfig = dataclasses.field(default_factory=MultiplicationConfig)
     # Code problems: "synthetic_code" (``train``) draws ``synthetic_code``; ``code_layout``
     # ("mbpp" | "humaneval") reads ``train``/``eval`` as jsonl files of that layout.
     synthetic_code: SyntheticCodeConfig = dataclasses.field(default_factory=SyntheticCodeConfig)
@@ -352,11 +356,11 @@ class RLSection:
     max_tokens_per_microbatch: int | None = None
     max_staleness: int = 0
     off_policy_correction: bool = True
+    behaviour_logprobs: bool = True
 
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
-    behaviour_logprobs: bool = True
 
     @property
     def policy_loss(self) -> loss_config.PolicyLossConfig:
@@ -379,10 +383,6 @@ class RLSection:
                 f"rl.max_staleness={self.max_staleness}: asynchronous rollouts need an online "
                 f"algorithm (grpo, ppo, expert_iteration), not rl.algo={self.algo!r}"
             )
-        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
-            raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
-        budget = self.max_tokens_per_microbatch
-        if budget is not None:
         corr = self.loss.correction
         if (
             self.max_staleness > 0
@@ -395,6 +395,10 @@ class RLSection:
                 f"{self.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
                 "version that sampled), or source 'both'"
             )
+        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
+            raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None:
             key = f"rl.max_tokens_per_microbatch={budget!r}"
             if not (isinstance(budget, int) and budget >= 1):
                 raise ValueError(f"{key}: expected an int >= 1 or null")
