@@ -63,8 +63,6 @@ def test_adapters_are_float32_beside_a_bfloat16_base(hf_untied):
     params = nnx.state(lm, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(lora.adapters(params))} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(lora.base(params))} == {jnp.dtype("bfloat16")}
-    logits = lm(jnp.asarray(helpers.random_ids(1, 6)))
-    assert np.isfinite(np.asarray(logits)).all()
 
 
 def test_bad_lora_settings_are_one_line_errors():
@@ -169,8 +167,6 @@ def _algo(method, graphdef, params):
     two = dict(num_microbatches=2)
     if method == "sft":
         return sft.sft_algorithm(graphdef, opt, sft.SFTUpdateConfig(**two))
-    if method == "expert_iteration":
-        return sft.expert_iteration_algorithm(graphdef, opt, sft.SFTUpdateConfig(**two))
     if method == "grpo":
         return grpo.grpo_algorithm(graphdef, opt, grpo.GRPOUpdateConfig(**two))
     if method == "ppo":
@@ -182,12 +178,28 @@ def _algo(method, graphdef, params):
     )
 
 
-@pytest.mark.slow  # five methods compiled: ~25 s on the loaded 2-core machine
-@pytest.mark.parametrize("method", ["sft", "expert_iteration", "grpo", "ppo", "dpo"])
+def _sft_loss(graphdef, join, batch):
+    """The SFT loss (mean NLL over loss tokens) as a function of the adapters alone."""
+
+    def loss(p):
+        lm = nnx.merge(graphdef, join(p))
+        logits = lm(batch.input_ids, batch.attention_mask)
+        logp = jax.nn.log_softmax(logits, -1)
+        tok = jnp.take_along_axis(logp, batch.labels[..., None], -1)[..., 0]
+        return -jnp.sum(tok * batch.loss_mask) / jnp.sum(batch.loss_mask)
+
+    return loss
+
+
+@pytest.mark.slow  # four methods compiled: ~45 s on the loaded 2-core machine
+# Expert iteration is SFT's update on filtered rows (the same make_update call): not repeated.
+@pytest.mark.parametrize("method", ["sft", "grpo", "ppo", "dpo"])
 def test_every_method_trains_only_the_adapters(tiny_lora, method):
     """One update of each method's record on a LoRA model: the base leaves come back bitwise
     unchanged, every adapter moves, and the optimiser state holds exactly the adapters' sizes
-    (AdamW: two moments per adapter element)."""
+    (AdamW: two moments per adapter element). For SFT, the update's pre-clip ``grad_norm`` is the
+    norm of d loss / d adapters computed directly (2 microbatches summed: 1e-5 relative for
+    float32 summation order)."""
     cfg, graphdef, params = tiny_lora
     algo = _algo(method, graphdef, params)
     state = algo.init(jax.tree.map(jnp.copy, params), 0)
@@ -201,68 +213,37 @@ def test_every_method_trains_only_the_adapters(tiny_lora, method):
     assert float(metrics["nonfinite"]) == 0.0
     for a, b in zip(jax.tree.leaves(lora.base(params)), jax.tree.leaves(lora.base(new.params))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for a, b in zip(
-        jax.tree.leaves(lora.adapters(params)), jax.tree.leaves(lora.adapters(new.params))
-    ):
+    moved = zip(jax.tree.leaves(lora.adapters(params)), jax.tree.leaves(lora.adapters(new.params)))
+    for a, b in moved:
         assert np.abs(np.asarray(a) - np.asarray(b)).max() > 0
-
-
-def test_adapter_gradient_is_the_loss_gradient(tiny_lora):
-    """The SFT update's pre-clip ``grad_norm`` is the norm of d loss / d adapters computed
-    directly (2 microbatches summed exactly: 1e-5 relative for float32 summation order)."""
-    cfg, graphdef, params = tiny_lora
-    algo = sft.sft_algorithm(
-        graphdef, optim.OptimizerConfig(learning_rate=1e-3), sft.SFTUpdateConfig(num_microbatches=2)
-    )
-    state = algo.init(jax.tree.map(jnp.copy, params), 0)
-    batch, _ = algo.prepare(
-        state, algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
-    )
-    _, metrics = jax.jit(algo.update)(state, batch)
-    trainable, join = lora.split_trainable(params)
-
-    def loss(p):
-        lm = nnx.merge(graphdef, join(p))
-        logits = lm(batch.input_ids, batch.attention_mask)
-        logp = jax.nn.log_softmax(logits, -1)
-        tok = jnp.take_along_axis(logp, batch.labels[..., None], -1)[..., 0]
-        return -jnp.sum(tok * batch.loss_mask) / jnp.sum(batch.loss_mask)
-
-    g = jax.grad(loss)(trainable)
-    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
-    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
+    if method == "sft":
+        trainable, join = lora.split_trainable(params)
+        g = jax.grad(_sft_loss(graphdef, join, batch))(trainable)
+        norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
+        assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
 
 
 def test_dropout_applies_in_updates_only(tiny_lora):
     """With ``dropout`` 0.5 the update's loss depends on the state's rng (a fresh mask per
-    step); log-prob passes (samplers, old / reference log-probs) see no dropout: a model call
-    outside ``lora.dropout_rng`` equals the dropout-free model's."""
+    step) and differs from the dropout-free loss; model calls outside ``lora.dropout_rng``
+    (samplers, old / reference log-probs) drop nothing: they equal the dropout-free model's."""
     cfg, graphdef, params = tiny_lora
-    drop_cfg = cfg.replace(
-        lora=lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj"), dropout=0.5)
-    )
-    drop_graph, _ = nnx.split(nnx.eval_shape(lambda: M.Qwen2ForCausalLM(drop_cfg)), nnx.Param)
+    drop = lora.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "up_proj"), dropout=0.5)
+    abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(cfg.replace(lora=drop)))
+    drop_graph, _ = nnx.split(abstract, nnx.Param)
     ids = jnp.asarray(helpers.random_ids(2, 8, vocab=cfg.vocab_size))
     np.testing.assert_array_equal(
         np.asarray(nnx.merge(drop_graph, params)(ids)), np.asarray(nnx.merge(graphdef, params)(ids))
     )
     algo = sft.sft_algorithm(drop_graph, optim.OptimizerConfig(learning_rate=1e-3))
-    batch, _ = algo.prepare(
-        None, algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
-    )
+    rollouts = algorithm.select_fields(_rollouts(cfg.vocab_size), algo.rollout_spec)
+    batch, _ = algo.prepare(None, rollouts)
     update = jax.jit(algo.update)
     losses = [
         float(update(algo.init(jax.tree.map(jnp.copy, params), seed), batch)[1]["loss"])
         for seed in (0, 1)
     ]
-    plain = sft.sft_algorithm(graphdef, optim.OptimizerConfig(learning_rate=1e-3))
-    no_drop = [
-        float(
-            jax.jit(plain.update)(plain.init(jax.tree.map(jnp.copy, params), seed), batch)[1][
-                "loss"
-            ]
-        )
-        for seed in (0, 1)
-    ]
-    assert no_drop[0] == no_drop[1]  # without dropout the rng plays no part
-    assert losses[0] != losses[1] and losses[0] != no_drop[0]
+    trainable, join = lora.split_trainable(params)
+    no_drop = float(jax.jit(_sft_loss(graphdef, join, batch))(trainable))
+    assert losses[0] != losses[1]
+    assert abs(losses[0] - no_drop) > 1e-4 and abs(losses[1] - no_drop) > 1e-4
