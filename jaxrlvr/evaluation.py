@@ -15,6 +15,7 @@ from jaxrlvr import builders, compile_cache, distributed, export, placement, pre
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr import model as model_lib
+from jaxrlvr.envs import rollout as envs_rollout
 
 
 def evaluate(
@@ -58,6 +59,13 @@ def evaluate(
         ),
         "eval/n": len(scores) // n,
         "eval/samples_per_problem": n,
+        # Tool-use rollouts (``env.tools``): turns, tool calls and errors, how rollouts ended.
+        # One process's share in a multi-process job: left out there.
+        **(
+            envs_rollout.trajectory_metrics(completions, prefix="eval/tool/")
+            if block[1] == 1
+            else {}
+        ),
     }
 
 
