@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The off-policy correction experiment of docs/corrections.md: the demo task with asynchronous
-# rollouts four versions old at 10x the demo's learning rate (configs/experiments/offpolicy_k4.yaml),
+# rollouts four versions old at 10x the demo's learning rate (configs/offpolicy_k4.yaml),
 # four arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
 # shared SFT warm start (built by the first seed's invocation), then the table and the plot.
 #   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=100
@@ -17,7 +17,7 @@ ROWS=(
 warm=""
 for s in $SEEDS; do
   # --systems jaxrlvr: the config itself, the "none" arm (rl.off_policy_correction: false).
-  jaxrlvr bench loop --config configs/experiments/offpolicy_k4.yaml --systems jaxrlvr \
+  jaxrlvr bench loop --config configs/offpolicy_k4.yaml --systems jaxrlvr \
     "${ROWS[@]}" --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" \
     ${warm:+--warm-start "$warm"}
   warm=${warm:-$OUT/seed$s/warm_start_hf}
