@@ -249,12 +249,14 @@ class RLPhase(base.RLStepsPhase):
 
     def prepare(self, rollouts, microbatches: int | None = None, version: int | None = None):
         """The compiled ``prepare`` of the step's rollouts; with ``version`` (the weight version
-        that sampled a stale batch) the batch also gets ``behaviour_logp``: the same pass run
-        with that version's kept parameters (module docstring)."""
+        that sampled a stale batch) the batch of a record that reads ``behaviour_logp`` (GRPO,
+        PPO) also gets it: the same pass run with that version's kept parameters (module
+        docstring)."""
         compiled = self.compiled_for(microbatches)
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(self.state, fields)
-        if version is not None:
+        spec = compiled.algorithm.batch_spec
+        if version is not None and "behaviour_logp" in spec.required + spec.optional:
             metrics = dict(metrics)
             params = self._versions.get(version)
             exact = params is not None or version == self.position
