@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The off-policy correction experiment of docs/corrections.md: the demo task with asynchronous
-# rollouts four versions old at 10x the demo's learning rate (configs/offpolicy_k4.yaml),
-# four arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
-# shared SFT warm start (built by the first seed's invocation), then the table and the plot.
+# rollouts four versions old at 10x the demo's learning rate (configs/offpolicy_k4.yaml), four
+# arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
+# shared SFT warm start (the demo's SFT phase, built first), then the table and the plot.
 #   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=100
 set -euo pipefail
 OUT=${OUT:-runs/offpolicy}
@@ -14,12 +14,15 @@ ROWS=(
   --row "sequence_mask:$C.mode=mask,$C.level=sequence,$C.high=2"
   --row "icepop:$C.mode=icepop,$C.level=token,$C.low=0.5,$C.high=5"
 )
-warm=""
+warm=$OUT/warm_start_hf
+if [ ! -d "$warm" ]; then
+  jaxrlvr sft configs/demo.yaml "run.out_dir=$OUT/warm_start" run.progress=false \
+    run.tensorboard=false --overwrite
+  jaxrlvr export "$OUT/warm_start" "$warm" --overwrite
+fi
 for s in $SEEDS; do
   # --systems jaxrlvr: the config itself, the "none" arm (rl.off_policy_correction: false).
-  jaxrlvr bench loop --config configs/offpolicy_k4.yaml --systems jaxrlvr \
-    "${ROWS[@]}" --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" \
-    ${warm:+--warm-start "$warm"}
-  warm=${warm:-$OUT/seed$s/warm_start_hf}
+  jaxrlvr bench loop --config configs/offpolicy_k4.yaml --systems jaxrlvr "${ROWS[@]}" \
+    --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" --warm-start "$warm"
 done
 python docs/experiments/offpolicy_report.py "$OUT" --png docs/experiments/offpolicy.png

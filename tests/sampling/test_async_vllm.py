@@ -137,5 +137,8 @@ def test_k1_loop_with_the_vllm_server_lags_exactly_one_version(vllm_server, tiny
         assert x["offpolicy/behaviour_exact"] == 1.0
         assert abs(x["offpolicy/engine/k1"]) < 1e-4 and x["offpolicy/engine/k3"] < 1e-6, x
     assert lines[0]["offpolicy/staleness/k3"] == 0.0  # step 0: version 0 trains version 0's batch
-    assert all(x["offpolicy/staleness/k3"] > 1e-7 for x in lines[1:])
+    for prev, x in zip(lines, lines[1:]):
+        # The batch of step t came from version t - 1: a gap exactly when step t - 1 moved the
+        # weights (a tiny random model may draw groups of equal rewards: zero gradient).
+        assert (x["offpolicy/staleness/k3"] > 0) == (prev["grad_norm"] > 0), (prev, x)
     assert live == "3"
