@@ -20,6 +20,15 @@ CC = loss_config.CorrectionConfig
 LEVELS = typing.get_args(loss_config.CorrectionLevel)
 MODES = typing.get_args(loss_config.CorrectionMode)
 SOURCES = typing.get_args(loss_config.CorrectionSource)
+# Every level and every mode at least once (the full level x mode grid is checked against
+# NumPy in test_importance.py and for gradients below).
+COVER = [
+    ("token", "icepop"),
+    ("sequence", "truncate"),
+    ("geometric", "mask"),
+    ("sequence", "icepop"),
+    ("token", "none"),
+]
 
 
 def _batch(seed, b=8, t=6, gap=0.3):
@@ -96,7 +105,7 @@ def test_plain_gradient_matches_finite_differences():
         assert fd == pytest.approx(g[i, j], abs=2e-3)
 
 
-@pytest.mark.parametrize("level, mode", list(itertools.product(LEVELS, MODES)))
+@pytest.mark.parametrize("level, mode", COVER)
 def test_four_microbatches_equal_one(level, mode):
     """Loss, gradient and every metric (token and sequence fractions, ESS, max / min) are the
     same accumulated over four microbatches as on the whole batch."""
@@ -136,7 +145,7 @@ def _pack(d):
     return out, seg
 
 
-@pytest.mark.parametrize("level, mode", list(itertools.product(LEVELS, MODES)))
+@pytest.mark.parametrize("level, mode", COVER)
 def test_packed_rows_equal_padded_rows(level, mode):
     """Sequence and geometric ratios are per segment: two sequences packed in one row give the
     same loss, gradient and metrics as one sequence per row."""
