@@ -26,7 +26,8 @@ share, metric sums)`` into ``update(state, batch) -> (state, metrics)``. Inside 
 
 Metrics are float32 scalars: ``loss``, ``policy_loss``, ``pg_loss``, ``kl_loss``, ``kl``,
 ``entropy``, ``clip_frac`` (and low/high/dual), ``ratio``/``ratio_max``/``ratio_min``, the
-truncated-IS figures ``tis_weight``, ``tis_truncated``, ``logp_diff_abs``(``_max``),
+off-policy figures ``offpolicy/weight`` and ``offpolicy/{engine,staleness,both}/*``
+(``importance``), ``seq_count``, ``logp_diff_abs``(``_max``),
 ``grad_norm`` (before clipping), ``learning_rate`` (the rate applied at this step),
 ``token_count`` (loss tokens), ``tokens`` (all non-pad tokens processed), ``nonfinite``;
 PPO adds ``vf_loss``, ``vf_clip_frac``, ``vf_error_sq``, ``value_grad_norm``, ``advantage_mean``,
