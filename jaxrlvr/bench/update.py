@@ -35,9 +35,15 @@ right-padded to the longest sequence of the batch, the same 4 microbatches of 4 
 is counted in real (non-padding) tokens per second for both; ``computed`` is the positions each
 system ran, padding included. MFU counts real tokens.
 
-Usage: ``jaxrlvr bench update [--tiny] [--lengths fixed|r1zero] [--json PATH] [--repeats N]
-[--systems jaxrlvr,torch]`` (or ``python benchmarks/bench_update.py``); ``--repeats``: timed
-steps per system.
+``--demo``: configs/demo.yaml's model (vocab 104, hidden 128, MLP 384, 3 layers, 4/2 heads,
+tied) at its GRPO step's shape (128 rows x 31 positions, one microbatch). ``--op-classes``: the
+jaxrlvr worker also traces its timed steps with JAX's profiler and reports milliseconds per
+XLA:CPU op class (``op_classes``: matmul fusions, zero-filling broadcasts, copies, the layer
+scan's slices, while loops, elementwise).
+
+Usage: ``jaxrlvr bench update [--tiny | --demo] [--op-classes] [--lengths fixed|r1zero]
+[--json PATH] [--repeats N] [--systems jaxrlvr,torch]`` (or ``python
+benchmarks/bench_update.py``); ``--repeats``: timed steps per system.
 Not a test: timings are for the closing note and for spotting regressions.
 """
 
@@ -52,7 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxrlvr.bench import common
 
@@ -62,6 +68,23 @@ if TYPE_CHECKING:
 # Model shape (a ``common`` factory, called only where JAX is loaded anyway) and batch.
 SHAPES = {
     "reference": dict(model=common.update_ref, batch=16, prompt=64, response=192, microbatches=4),
+    # configs/demo.yaml's model and GRPO step: 128 packed rows of 31 positions, one microbatch.
+    "demo": dict(
+        model=functools.partial(
+            common.qwen2,
+            vocab=104,
+            hidden=128,
+            mlp=384,
+            layers=3,
+            heads=4,
+            kv_heads=2,
+            tie_word_embeddings=True,
+        ),
+        batch=128,
+        prompt=15,
+        response=16,
+        microbatches=1,
+    ),
     "tiny": dict(
         model=functools.partial(common.tiny, tie_word_embeddings=False),
         batch=8,
@@ -201,6 +224,49 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def op_classes(fn: Callable[[], Any], steps: int) -> dict[str, float]:
+    """Milliseconds per call of ``fn`` by XLA:CPU op class, from JAX's profiler trace of
+    ``steps`` calls (``jax.profiler.trace``, one event per executed thunk; threads summed, so the
+    classes add up to more than the wall time when both cores work). Classes: matmul fusions
+    (XNNPACK/YNN dot fusions, ``dot``), ``broadcast`` (zero-filled buffers: the layer scan's
+    stacked residuals and accumulators), copies, the scan's dynamic(-update)-slices, while loops,
+    the rest (elementwise and reduction fusions)."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    import jax
+
+    def kind(name: str) -> str:
+        if name.startswith(("ynn_fusion", "xnn_fusion")) or "dot" in name:
+            return "matmul"
+        if "broadcast" in name:
+            return "broadcast"
+        if name.startswith("copy"):
+            return "copy"
+        if "dynamic" in name:
+            return "scan_slices"
+        if name.startswith("while"):
+            return "while"
+        return "elementwise"
+
+    with tempfile.TemporaryDirectory(prefix="bench-update-trace-") as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                fn()
+        (path,) = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name.startswith(("$", "ThunkExecutor")):
+            continue  # Python frames and the executor's own spans
+        out[kind(name)] += e["dur"] / 1000 / steps
+    return dict(out)
+
+
 def train_overrides(microbatches: int) -> list[str]:
     """The ``jaxrlvr train`` config of the timed GRPO step: the reference update's loss and AdamW
     settings, one epoch on fresh rollouts (as the torch reference)."""
@@ -219,7 +285,13 @@ def train_overrides(microbatches: int) -> list[str]:
 
 
 def _worker_jax(
-    shape: Shape, weights: str, steps: int, remat: bool, scan_layers: bool, lengths: str
+    shape: Shape,
+    weights: str,
+    steps: int,
+    remat: bool,
+    scan_layers: bool,
+    lengths: str,
+    profile: bool = False,
 ) -> dict:
     import jax
     import numpy as np
@@ -264,8 +336,10 @@ def _worker_jax(
     run()  # warmup: compiles
     first_s = time.perf_counter() - t0
     times = common.timed_calls(run, steps)
+    classes = op_classes(run, steps) if profile else None
     return {
         "step_times_s": times,
+        "op_classes_ms": classes,
         # The first call compiles and runs one step: its excess over a steady step.
         "compile_s": max(first_s - min(times), 0.0),
         "prepare_first_s": prepare_first_s,
@@ -341,6 +415,7 @@ def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     argv += ["--lengths", args.lengths]
     flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
+    flags += (("--demo", args.demo), ("--op-classes", args.op_classes))
     argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
 
@@ -348,6 +423,16 @@ def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
 def main(argv=None) -> int:
     p = common.parser("update", __doc__)
     p.add_argument("--tiny", action="store_true", help="small shape for a quick run")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="configs/demo.yaml's model and GRPO step shape (128 x 31 positions, 0.6M params)",
+    )
+    p.add_argument(
+        "--op-classes",
+        action="store_true",
+        help="jaxrlvr: also trace the timed steps and report milliseconds per XLA:CPU op class",
+    )
     common.add_repeats(p, 5, "timed steps per system, after 1 warm-up step")
     p.add_argument("--systems", default="jaxrlvr,torch", help="comma list of jaxrlvr, torch")
     p.add_argument(
@@ -368,7 +453,9 @@ def main(argv=None) -> int:
     p.add_argument("--_weights", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    name = "tiny" if args.tiny else "reference"
+    if args.tiny and args.demo:
+        p.error("--tiny and --demo are two shapes: choose one")
+    name = "tiny" if args.tiny else "demo" if args.demo else "reference"
     shape = Shape(**SHAPES[name])
 
     if args._worker is not None:
@@ -376,7 +463,13 @@ def main(argv=None) -> int:
             rec = _worker_init(shape, args._weights)
         elif args._worker == "jaxrlvr":
             rec = _worker_jax(
-                shape, args._weights, args.repeats, args.remat, args.scan_layers, args.lengths
+                shape,
+                args._weights,
+                args.repeats,
+                args.remat,
+                args.scan_layers,
+                args.lengths,
+                args.op_classes,
             )
         else:
             rec = _worker_torch(shape, args._weights, args.repeats, args.threads, args.lengths)
@@ -420,6 +513,7 @@ def main(argv=None) -> int:
                 "matmul_gflops": r["matmul_gflops"],
                 "peak_rss_mib": r["peak_rss_mib"],
                 "compile_s": r["compile_s"],
+                "op_classes_ms": r.get("op_classes_ms"),
                 "version": r["version"],
             }
         )
@@ -439,6 +533,14 @@ def main(argv=None) -> int:
     if "jaxrlvr" in results and "torch" in results:
         j, t = (next(r for r in records if r["system"] == s) for s in ("jaxrlvr", "torch"))
         print(f"jaxrlvr / torch real tokens/s: {j['tokens_per_s'] / t['tokens_per_s']:.2f}x")
+    for r in records:
+        if r.get("op_classes_ms"):
+            total = sum(r["op_classes_ms"].values())
+            parts = sorted(r["op_classes_ms"].items(), key=lambda kv: -kv[1])
+            print(
+                f"{r['system']} op classes, ms per step (threads summed, {total:.1f} in all): "
+                + ", ".join(f"{k} {v:.1f} ({v / total:.0%})" for k, v in parts)
+            )
     common.save_json(args.json, records)
     return 0
 
