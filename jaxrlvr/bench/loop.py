@@ -280,7 +280,9 @@ def _whole_jaxrlvr(label: str, config: str, sets: list[str], out: str, cache: st
     rl = [m for m in lines if "time/update_s" in m]
     sft = [m["time/step_s"] for m in lines if "time/step_s" in m and "time/update_s" not in m]
     rl_steps = [float(m["time/step_s"]) for m in rl]
+    phases = {k: statistics.median(float(m.get(f"time/{k}_s", 0.0)) for m in rl) for k in PHASES}
     return {
+        "phase_median_s": phases,
         "label": label,
         "system": "jaxrlvr",
         "wall_s": wall,
@@ -314,7 +316,9 @@ def _whole_trl(config: str, sets: list[str], init: str, out: str) -> dict:
     with open(record_path) as f:
         rec = json.load(f)
     own = rec.get("own_evals", [])
+    phases = {k: statistics.median(x.get(k, 0.0) for x in rec["steps"]) for k in PHASES}
     return {
+        "phase_median_s": phases,
         "label": "trl",
         "system": "trl",
         "wall_s": rec["work_end"] - start,
@@ -376,6 +380,18 @@ def whole_markdown(records: list[dict], meta: dict) -> str:
             f"| {fmt(r['eval_s'])} | {r['step_median_s']:.3f} | {r['first_grpo_step_s']:.2f} "
             f"| {comp} | {hits} | {fmt(r['eval_after_sft'], '.3f')} -> "
             f"{r['eval_final']:.3f} |"
+        )
+    lines += [
+        "\nGRPO steps, median seconds per phase:\n",
+        "| row | " + " | ".join(PHASES) + " | step |",
+        "|" + "---|" * (len(PHASES) + 2),
+    ]
+    for r in records:
+        m = r["phase_median_s"]
+        lines.append(
+            f"| {r['label']} | "
+            + " | ".join(f"{m[k]:.3f}" for k in PHASES)
+            + f" | {r['step_median_s']:.3f} |"
         )
     q = meta["ratios"]
     lines.append(

@@ -115,3 +115,53 @@ def test_init_weights_are_the_runs_random_init(tmp_path):
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_whole_markdown_tables_and_ratios():
+    """The whole-run table: one line per row in both tables, the ratios as computed."""
+
+    def rec(label, system, wall, step, compile_=None):
+        return {
+            "label": label,
+            "system": system,
+            "wall_s": wall,
+            "sft_s": 10.0,
+            "grpo_s": 50.0,
+            "eval_s": None,
+            "step_median_s": step,
+            "first_grpo_step_s": 5.0,
+            "compile": compile_,
+            "eval_after_sft": 0.3,
+            "eval_final": 0.5,
+            "phase_median_s": {k: 0.01 for k in loop.PHASES},
+        }
+
+    c = {"compiles": 29, "compile_s": 13.0, "cache_hits": 0, "cache_load_s": 0.0}
+    records = [
+        rec("jaxrlvr_first", "jaxrlvr", 100.0, 0.2, c),
+        rec("trl", "trl", 150.0, 0.45),
+        rec("jaxrlvr_second", "jaxrlvr", 80.0, 0.2, dict(c, compiles=0, cache_hits=29)),
+    ]
+    meta = {
+        "ratios": {
+            "trl_over_first_wall": 1.5,
+            "trl_over_second_wall": 1.875,
+            "first_over_second_wall": 1.25,
+            "trl_over_first_median_step": 2.25,
+            "trl_over_second_median_step": 2.25,
+            "accuracy_first_minus_trl": 0.0,
+            "accuracy_second_minus_trl": 0.0,
+        },
+        "matmul_gflops": {"jax": 180.0, "torch": 240.0},
+        "config": "configs/demo.yaml",
+        "sets": [],
+        "machine": "x86_64, 2 cores",
+        "load_before": "0.1",
+        "load_after": "0.2",
+    }
+    table = loop.whole_markdown(records, meta)
+    for label in ("jaxrlvr_first", "trl", "jaxrlvr_second"):
+        assert table.count(f"| {label} |") == 2  # the run table and the phase table
+    assert "| 29 / 13.0 | 0 / 0.0 |" in table and "| 0 / 13.0 | 29 / 0.0 |" in table
+    assert "1.50x (first run), 1.88x (second run)" in table
+    assert "jax 180 GFLOP/s, torch 240 GFLOP/s" in table
