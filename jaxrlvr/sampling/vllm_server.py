@@ -511,7 +511,8 @@ def _comma_ints(text: str) -> tuple[int, ...]:
 
 def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     """``jaxrlvr serve-vllm --model DIR [--python PATH] [--port N] [--host H] [--device D]
-    [--gpus 0,1] [--num-servers N] [--gpu-memory-utilization F] [--dtype T] [vLLM flags]``.
+    [--gpus 0,1] [--num-servers N] [--gpu-memory-utilization F] [--dtype T] [--lora-rank R]
+    [vLLM flags]``.
 
     The options of ``sampler.vllm_*`` in a config: ``--gpus`` split into ``--num-servers`` equal
     groups, one server per group with ``--tensor-parallel-size`` = group size, on ports
@@ -572,6 +573,12 @@ def serve_vllm_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--log", default=None, help="server log file (default: a temp file; .N added per server)"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="serve LoRA adapters up to this rank, loaded at run time (a LoRA run's model.lora)",
     )
     args, extra = parser.parse_known_args(argv)
     check_bind_host(args.host, args.allow_remote_dev_endpoints)
@@ -636,6 +643,7 @@ def plan_servers(
                 log_path=log,
                 allow_remote_dev_endpoints=args.allow_remote_dev_endpoints,
                 start=False,
+                lora_rank=args.lora_rank,
             )
         )
     return servers
