@@ -28,8 +28,9 @@ def _runs(out: pathlib.Path) -> dict[str, list[list[dict]]]:
     runs: dict[str, list[list[dict]]] = {}
     for seed_dir in sorted(out.glob("seed*")):
         for arm in ARMS:
-            f = seed_dir / DIRS.get(arm, arm) / "metrics.jsonl"
-            if f.exists():
+            run = seed_dir / DIRS.get(arm, arm)
+            f = run / "metrics.jsonl"
+            if (run / "summary.json").exists():  # finished runs only (STOP_AT may cut one)
                 runs.setdefault(arm, []).append(_lines(f))
     return runs
 

@@ -4,6 +4,8 @@
 # arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
 # shared SFT warm start (the demo's SFT phase, built first), then the table and the plot.
 #   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=100
+# STOP_AT=HH:MM (optional): start no seed after that time and cut a running one off there (a
+# shared machine's time box); the report then covers the seeds that finished.
 set -euo pipefail
 OUT=${OUT:-runs/offpolicy}
 SEEDS=${SEEDS:-"0 1 2"}
@@ -20,9 +22,15 @@ if [ ! -d "$warm" ]; then
     run.tensorboard=false --overwrite
   jaxrlvr export "$OUT/warm_start" "$warm" --overwrite
 fi
+left() { echo $(($(date -d "${STOP_AT:-23:59}" +%s) - $(date +%s))); }
 for s in $SEEDS; do
+  if [ "$(left)" -le 60 ]; then
+    echo "STOP_AT=$STOP_AT: seed $s not started" >&2
+    break
+  fi
   # --systems jaxrlvr: the config itself, the "none" arm (rl.off_policy_correction: false).
-  jaxrlvr bench loop --config configs/offpolicy_k4.yaml --systems jaxrlvr "${ROWS[@]}" \
-    --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" --warm-start "$warm"
+  timeout "$(left)" jaxrlvr bench loop --config configs/offpolicy_k4.yaml --systems jaxrlvr "${ROWS[@]}" \
+    --steps "$STEPS" --eval-every 20 --set "run.seed=$s" --out "$OUT/seed$s" --warm-start "$warm" \
+    || echo "seed $s: bench loop stopped ($?)" >&2
 done
 python docs/experiments/offpolicy_report.py "$OUT" --png docs/experiments/offpolicy.png
