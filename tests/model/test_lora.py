@@ -247,3 +247,21 @@ def test_dropout_applies_in_updates_only(tiny_lora):
     no_drop = float(jax.jit(_sft_loss(graphdef, join, batch))(trainable))
     assert losses[0] != losses[1]
     assert abs(losses[0] - no_drop) > 1e-4 and abs(losses[1] - no_drop) > 1e-4
+
+
+def test_adapters_shard_like_their_kernels():
+    """Golden partition specs on a (fsdp 4, tensor 2) mesh: A shares the kernel's input axes
+    (embed over fsdp, heads over tensor), B its output axes; the rank axis is replicated. Shapes
+    only (no compile)."""
+    cfg = M.ModelConfig.tiny(lora=lora.LoRAConfig(rank=4))
+    mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=4, tensor=2), jax.devices()[:8])
+    abstract = nnx.eval_shape(lambda: M.Qwen2ForCausalLM(cfg, mesh=mesh))
+    specs = M.param_partition_specs(lora.adapters(nnx.state(abstract, nnx.Param)), mesh)
+    attn, mlp = specs["model"]["layers"]["self_attn"], specs["model"]["layers"]["mlp"]
+    P = jax.sharding.PartitionSpec
+    assert attn["q_proj"]["lora_a"] == P(None, "fsdp")  # [L, D, r]
+    assert attn["q_proj"]["lora_b"] == P(None, None, "tensor")  # [L, r, N, H]
+    assert attn["o_proj"]["lora_a"] == P(None, "tensor")  # [L, N, H, r]
+    assert attn["o_proj"]["lora_b"] == P(None, None, "fsdp")  # [L, r, D]
+    assert mlp["up_proj"]["lora_b"] == P(None, None, "tensor")  # [L, r, F]
+    assert mlp["down_proj"]["lora_a"] == P(None, "tensor")  # [L, F, r]
