@@ -16,9 +16,10 @@ lowering still run; XLA does not).
 - any other string: that directory.
 
 Every program is cached, however quick its compile (JAX's default skips those under 1 s, which on
-this machine are most of the run's programs). JAX reads ``jax_compilation_cache_dir`` once, at
-the process's first compile, so ``enable`` must run before anything is jitted; a later call with
-another directory is refused in one line.
+this machine are most of the run's programs); the directory is capped at ``MAX_BYTES`` (2 GiB,
+least recently used programs evicted first) where ``filelock`` is installed. JAX reads
+``jax_compilation_cache_dir`` once, at the process's first compile, so ``enable`` must run
+before anything is jitted; a later call with another directory is refused in one line.
 
 ``CompileCounter`` listens to JAX's monitoring events and counts the XLA compiles of the process
 (``compiles``, ``compile_s``) and the persistent-cache hits (``cache_hits``, ``cache_load_s``),
@@ -32,6 +33,9 @@ import os
 import threading
 
 OFF = ("off", "", "none", "false", "0")
+# The cache directory's cap: least recently used programs are evicted past it (the demo's 29
+# programs take about 1.5 MB; a test suite's few hundred, tens of MB).
+MAX_BYTES = 2 * 2**30
 ENV = "JAXRLVR_COMPILE_CACHE"
 
 # JAX's monitoring event names (jax._src.dispatch / jax._src.compiler, jaxlib 0.10).
@@ -98,6 +102,12 @@ def enable(setting: str | None = "auto") -> str | None:
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        try:  # JAX's least-recently-used eviction needs filelock (Hugging Face's dependency)
+            import filelock  # noqa: F401
+
+            jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+        except ImportError:
+            pass
         _enabled_dir = directory
     return directory
 
