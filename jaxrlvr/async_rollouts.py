@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 from jaxrlvr.data import loading
+from jaxrlvr.envs import rollout as envs_rollout
 from jaxrlvr.sampling import base
 
 
@@ -93,7 +94,7 @@ class Rollouts:
             step=int(data["step"]),
             problems=[loading.Problem(**p) for p in data["problems"]],
             prompts=[list(p) for p in data["prompts"]],
-            completions=[base.Completion(**c) for c in data["completions"]],
+            completions=[envs_rollout.completion_from_dict(c) for c in data["completions"]],
             metrics=dict(data["metrics"]),
             generate_s=float(data.get("generate_s", 0.0)),
         )

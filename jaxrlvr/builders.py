@@ -262,6 +262,13 @@ def build_multi_turn(cfg: config_lib.TrainConfig, engine, tokenizer):
     from jaxrlvr import envs
 
     e = cfg.env
+    if jax.process_count() > 1 and cfg.sampler.kind == "jax":
+        # Each turn of the JAX sampler is one program over every process's rows: processes whose
+        # rollouts need different numbers of turns would wait for each other forever.
+        raise configlib.ConfigKeyError(
+            "env.tools with sampler.kind=jax runs in one process only (use sampler.kind=vllm "
+            "for a multi-process job)"
+        )
     tools = envs.make_tools(e.tools, sandbox=cfg.reward.code.sandbox(cfg.reward.sandbox))
     limits = envs.TurnLimits(
         max_turns=e.max_turns,

@@ -30,11 +30,16 @@ prefill of the prefix (prompt + k-1 turns) on top of its decode; at the tool dem
 next to the decode steps. vLLM reuses the prefix's KV blocks through its prefix cache when that
 is on. Samples of one prompt share the first turn's prefill (``n`` per prompt); later turns
 sample one continuation per trajectory.
+
+Weights: ``update_weights`` waits for the rollouts in flight, so every turn of a trajectory is
+sampled by the weights of its first turn (``Trajectory.weight_version``), as a single-turn
+completion is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -88,6 +93,19 @@ class Trajectory(base.Completion):
     end_reason: str = "done"
     turn_spans: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self):
+        super().__post_init__()
+        # JSON (a checkpoint of in-flight rollouts) turns the spans into lists.
+        object.__setattr__(self, "turn_spans", tuple(tuple(s) for s in self.turn_spans))
+        if self.end_reason not in END_REASONS:
+            raise ValueError(f"end_reason must be one of {END_REASONS}, got {self.end_reason!r}")
+
+
+def completion_from_dict(d: dict) -> base.Completion:
+    """A completion from its ``dataclasses.asdict`` form: a ``Trajectory`` when it has the
+    multi-turn fields, else a plain ``Completion`` (async rollouts' checkpoints)."""
+    return (Trajectory if "end_reason" in d else base.Completion)(**d)
+
 
 @dataclasses.dataclass
 class _Rollout:
@@ -139,10 +157,14 @@ class MultiTurnSampler:
         self.limits = limits
         self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="jaxrlvr-env")
         self._on_close = on_close
+        # New weights wait for the rollouts in flight: every turn of a trajectory is sampled by
+        # the weights its first turn had (its ``weight_version``).
+        self._lock = threading.Lock()
 
     # -- the Sampler interface ------------------------------------------------------------------
     def update_weights(self, weights: Any, *, version: int | None = None) -> dict[str, float]:
-        return self.sampler.update_weights(weights, version=version)
+        with self._lock:
+            return self.sampler.update_weights(weights, version=version)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -165,6 +187,10 @@ class MultiTurnSampler:
     ) -> list[Trajectory]:
         """``n`` rollouts per prompt, flat and prompt-major (``sampling.base.Sampler``);
         ``problems`` (one per prompt) are passed to the environments' ``reset``."""
+        with self._lock:
+            return self._generate(prompt_token_ids, n, sampling_params, problems)
+
+    def _generate(self, prompt_token_ids, n, sampling_params, problems):
         if sampling_params.thinking_budget is not None:
             raise ValueError("sampler.thinking_budget cannot be combined with env.tools")
         prompts = [list(map(int, p)) for p in prompt_token_ids]

@@ -8,11 +8,13 @@
 - The JAX sampler and a real vLLM server give identical greedy trajectories (token ids and masks).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlvr import envs, rollout
+from jaxrlvr import async_rollouts, envs, rollout
 from jaxrlvr.sampling import base, jax_sampler, vllm_sampler
 
 PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [300, 301, 302, 303, 304, 305]]
@@ -100,9 +102,7 @@ def test_rescored_trajectory_matches_sampler_logprobs_on_model_tokens(jax_setup,
         assert c.tool_errors == int(c.tool_calls >= 2)
     # Packing puts the loss on model tokens only: the mask at each label position is 1 exactly
     # where the trajectory's token was sampled.
-    weights = [
-        rollout.completion_weights(c, mask_forced=True, mask_truncated=False) for c in out
-    ]
+    weights = [rollout.completion_weights(c, mask_forced=True, mask_truncated=False) for c in out]
     packed = rollout.pack(
         [PROMPTS[c.prompt_index] for c in out],
         [c.token_ids for c in out],
@@ -118,6 +118,25 @@ def test_rescored_trajectory_matches_sampler_logprobs_on_model_tokens(jax_setup,
     assert m["turns_mean"] == np.mean([c.turns for c in out])
     assert m["errors_per_rollout"] == np.mean([c.tool_errors for c in out])
     assert sum(m[f"end/{r}"] for r in envs.rollout.END_REASONS) == pytest.approx(1.0)
+
+
+def test_trajectories_survive_a_checkpoint_of_rollouts_in_flight(jax_setup):
+    """Asynchronous rollouts save the batches in flight as JSON; trajectories come back whole."""
+    import json
+
+    sampler, export = jax_setup
+    params = base.SamplingParams(max_tokens=48, temperature=1.0, seed=2, stop_token_ids=STOP_IDS)
+    out = _multi_turn(sampler, export["tokenizer"]).generate(PROMPTS[:1], 2, params)
+    ro = async_rollouts.Rollouts(3, [], [PROMPTS[0]], out, {"tool/turns_mean": 2.0})
+    back = async_rollouts.Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
+    assert back.completions == out and all(isinstance(c, envs.Trajectory) for c in back.completions)
+    plain = base.Completion(
+        prompt_index=0, token_ids=[1], logprobs=[-0.5], text="a", finish_reason="stop"
+    )
+    assert (
+        envs.rollout.completion_from_dict(json.loads(json.dumps(dataclasses.asdict(plain))))
+        == plain
+    )
 
 
 def test_limits_end_rollouts_with_their_reason(jax_setup):
