@@ -145,13 +145,18 @@ class RLPhase(base.RLStepsPhase):
         if self.producer is not None:
             self.producer.close()
 
+    def sampler_generate(self, problems, prompts, n, params):
+        """The sampler's ``n`` completions of each prompt (the tool-use phase also hands the
+        problems to its environments)."""
+        return self.ctx.sampler.generate(prompts, n, params)
+
     def _generate(self, problems, n, seed):
         ctx = self.ctx
         prompts = ctx.encode_prompts(problems)
         if self.cfg.sampler.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
             seed += ctx.row_block[0] * len(problems)
         params = builders.sampling_params(self.cfg, ctx.tokenizer, seed=seed)
-        completions = ctx.sampler.generate(prompts, n, params)
+        completions = self.sampler_generate(problems, prompts, n, params)
         if len(completions) != len(prompts) * n:
             raise RuntimeError(
                 f"sampler returned {len(completions)} completions for {len(prompts)} x {n}"

@@ -13,7 +13,6 @@ metrics carry turns, tool calls, tool errors and time, and how rollouts ended (`
 
 from __future__ import annotations
 
-from jaxrlvr import builders
 from jaxrlvr.envs import rollout as env_rollout
 from jaxrlvr.phases import rl
 
@@ -23,18 +22,8 @@ class ToolRLPhase(rl.RLPhase):
     # only through a config change that preflight reports.
     name = "rl"
 
-    def _generate(self, problems, n, seed):
-        ctx = self.ctx
-        prompts = ctx.encode_prompts(problems)
-        if self.cfg.sampler.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
-            seed += ctx.row_block[0] * len(problems)
-        params = builders.sampling_params(self.cfg, ctx.tokenizer, seed=seed)
-        completions = ctx.sampler.generate(prompts, n, params, problems=problems)
-        if len(completions) != len(prompts) * n:
-            raise RuntimeError(
-                f"sampler returned {len(completions)} completions for {len(prompts)} x {n}"
-            )
-        return prompts, completions
+    def sampler_generate(self, problems, prompts, n, params):
+        return self.ctx.sampler.generate(prompts, n, params, problems=problems)
 
     def _grade(self, problems, completions, n):
         scores, stats = super()._grade(problems, completions, n)
