@@ -86,10 +86,15 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "jaxrlvr.cli", *argv]
 
 
-def _run(cmd: list[str], log_path: str, what: str) -> None:
-    """Runs ``cmd`` with its output in ``log_path``; one line naming ``what`` on failure."""
+def _run(cmd: list[str], log_path: str, what: str, *, peer: bool = False) -> None:
+    """Runs ``cmd`` with its output in ``log_path``; one line naming ``what`` on failure.
+    ``peer``: a peer system's process, in its users' environment (without the malloc settings
+    that jaxrlvr's command line adds for itself, ``cli.MALLOC_ENV``)."""
+    from jaxrlvr import cli
+
+    env = cli.without_malloc_env(common.worker_env()) if peer else common.worker_env()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=common.worker_env())
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
         with open(log_path) as f:
             tail = f.read()[-1500:]
@@ -183,7 +188,7 @@ def run_trl(
     for s in [*sets, *row.overrides]:
         cmd += ["--set", s]
     start = time.perf_counter()
-    _run(cmd, run_dir + ".log", f"row {row.label} (TRL)")
+    _run(cmd, run_dir + ".log", f"row {row.label} (TRL)", peer=True)
     with open(record_path) as f:
         rec = json.load(f)
     rec.update(label=row.label, overrides=list(row.overrides))
@@ -312,7 +317,7 @@ def _whole_trl(config: str, sets: list[str], init: str, out: str) -> dict:
     for x in sets:
         cmd += ["--set", x]
     start = time.time()
-    _run(cmd, run_dir + ".log", "row trl (whole run)")
+    _run(cmd, run_dir + ".log", "row trl (whole run)", peer=True)
     with open(record_path) as f:
         rec = json.load(f)
     own = rec.get("own_evals", [])
