@@ -84,7 +84,7 @@ def table(runs: dict[str, list[list[dict]]]) -> str:
     return "\n".join(rows)
 
 
-def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path) -> None:
+def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +121,7 @@ def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("demo task, rl.max_staleness=4, lr 2e-3 constant: mean over seeds, min-max band")
+    fig.suptitle(f"{title}: mean over seeds, min-max band")
     fig.tight_layout()
     fig.savefig(png, dpi=90)
 
@@ -130,12 +130,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=pathlib.Path)
     p.add_argument("--png", type=pathlib.Path, default=None)
+    p.add_argument("--title", default="demo task, rl.max_staleness=4 (configs/offpolicy_k4.yaml)")
     args = p.parse_args()
     runs = _runs(args.out)
     text = table(runs)
     (args.out / "table.md").write_text(text + "\n")
     print(text)
-    plot(runs, args.png or args.out / "offpolicy.png")
+    plot(runs, args.png or args.out / "offpolicy.png", args.title)
 
 
 if __name__ == "__main__":
