@@ -84,7 +84,7 @@ def table(runs: dict[str, list[list[dict]]]) -> str:
     return "\n".join(rows)
 
 
-def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path, title: str) -> None:
+def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path, suptitle: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +121,7 @@ def plot(runs: dict[str, list[list[dict]]], png: pathlib.Path, title: str) -> No
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"{title}: mean over seeds, min-max band")
+    fig.suptitle(f"{suptitle}: mean over seeds, min-max band")
     fig.tight_layout()
     fig.savefig(png, dpi=90)
 
