@@ -15,7 +15,8 @@ import statistics
 
 import numpy as np
 
-ARMS = ("none", "token_truncate", "sequence_mask", "icepop")
+# k0_control (optional): the same settings with rl.max_staleness=0, no off-policy error.
+ARMS = ("none", "token_truncate", "sequence_mask", "icepop", "k0_control")
 # bench loop's default row (the config itself, no correction) is named after the system.
 DIRS = {"none": "jaxrlvr"}
 
