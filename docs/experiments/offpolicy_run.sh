@@ -3,13 +3,13 @@
 # rollouts four versions old at 10x the demo's learning rate (configs/offpolicy_k4.yaml), four
 # arms (no correction, token truncation, sequence mask, IcePop) x SEEDS, every run from one
 # shared SFT warm start (the demo's SFT phase, built first), then the table and the plot.
-#   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=100
+#   docs/experiments/offpolicy_run.sh                  # OUT=runs/offpolicy SEEDS="0 1 2" STEPS=60
 # STOP_AT=HH:MM (optional): start no seed after that time and cut a running one off there (a
 # shared machine's time box); the report then covers the seeds that finished.
 set -euo pipefail
 OUT=${OUT:-runs/offpolicy}
 SEEDS=${SEEDS:-"0 1 2"}
-STEPS=${STEPS:-100}
+STEPS=${STEPS:-60}
 C=rl.loss.correction
 ROWS=(
   --row "token_truncate:$C.mode=truncate,$C.level=token,$C.high=2"
