@@ -16,8 +16,12 @@ lowering still run; XLA does not).
 - any other string: that directory.
 
 Every program is cached, however quick its compile (JAX's default skips those under 1 s, which on
-this machine are most of the run's programs); the directory is capped at ``MAX_BYTES`` (2 GiB,
-least recently used programs evicted first) where ``filelock`` is installed. JAX reads
+this machine are most of the run's programs); the directory is capped at ``MAX_BYTES`` (2 GiB):
+``enable`` removes the least recently used programs past the cap when a process starts. JAX's
+own size cap (``jax_compilation_cache_max_size``) is not used: it keeps an ``-atime`` file per
+entry under a lock, and a process killed between writing an entry and its ``-atime`` file (a
+preempted run, SIGKILL) leaves the directory in a state where every later write of every
+process fails with a warning. JAX reads
 ``jax_compilation_cache_dir`` once, at the process's first compile, so ``enable`` must run
 before anything is jitted; a later call with another directory is refused in one line.
 
@@ -28,6 +32,7 @@ so a run's summary can say what it compiled and what it loaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -102,14 +107,36 @@ def enable(setting: str | None = "auto") -> str | None:
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-        try:  # JAX's least-recently-used eviction needs filelock (Hugging Face's dependency)
-            import filelock  # noqa: F401
-
-            jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-        except ImportError:
-            pass
+        trim(directory, MAX_BYTES)
         _enabled_dir = directory
     return directory
+
+
+def trim(directory: str, max_bytes: int) -> int:
+    """Removes the least recently used programs of the cache ``directory`` (by the later of
+    their access and modification times) until their bytes are at most ``max_bytes``, and the
+    ``-atime`` files JAX's own eviction leaves; returns the bytes removed. Best effort: a file
+    another process removes or is writing meanwhile is skipped."""
+    entries = []
+    with os.scandir(directory) as it:
+        for e in it:
+            try:
+                if e.name.endswith("-atime"):
+                    os.remove(e.path)
+                elif e.name.endswith("-cache") and e.is_file():
+                    st = e.stat()
+                    entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
+            except OSError:
+                continue
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for _, size, path in sorted(entries):
+        if total - removed <= max_bytes:
+            break
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            removed += size
+    return removed
 
 
 def enabled_dir() -> str | None:

@@ -272,9 +272,18 @@ def check_writable_dir(path: str, key: str) -> None:
         made.append(parent)
         parent = os.path.dirname(parent)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".jaxrlvr-probe-"):
-            pass
+        # Another process of the same run may probe the same new folder and remove it between
+        # our makedirs and our probe (ENOENT): make it again, a few times, before calling it
+        # unwritable.
+        for attempt in range(5):
+            os.makedirs(path, exist_ok=True)
+            try:
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".jaxrlvr-probe-"):
+                    pass
+                break
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
     except OSError as e:
         raise PreflightError(f"{key}={path!r}: cannot write there ({e.strerror or e})") from None
     finally:

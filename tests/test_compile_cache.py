@@ -80,3 +80,33 @@ def test_enable_refuses_a_second_directory(tmp_path):
         [sys.executable, "-c", script, a], capture_output=True, text=True, check=True
     )
     assert "already caches compiles in" in out.stdout and os.path.isdir(a)
+
+
+def test_trim_removes_least_recently_used_programs_past_the_cap(tmp_path):
+    """Oldest entries go first until the rest fit; JAX's ``-atime`` files (an entry whose
+    ``-atime`` went missing stopped every later write when JAX's own cap was on) are removed."""
+    for i, age in enumerate([300, 100, 200]):  # seconds ago
+        path = tmp_path / f"p{i}-cache"
+        path.write_bytes(b"x" * 1000)
+        t = 1_700_000_000 - age
+        os.utime(path, (t, t))
+    (tmp_path / "p0-atime").write_bytes(b"12345678")
+    assert compile_cache.trim(str(tmp_path), 2000) == 1000
+    assert sorted(os.listdir(tmp_path)) == ["p1-cache", "p2-cache"]  # p0 was the oldest
+    assert compile_cache.trim(str(tmp_path), 1000) == 1000
+    assert os.listdir(tmp_path) == ["p1-cache"]
+    assert compile_cache.trim(str(tmp_path), 1000) == 0
+
+
+def test_a_process_killed_mid_write_leaves_a_usable_cache(tmp_path):
+    """An entry without its ``-atime`` file (what a process killed inside JAX's locked LRU write
+    left in CI) neither warns nor stops the next process from caching."""
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    (directory / "jit_orphan-0123-cache").write_bytes(b"not a program")
+    out = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", _SCRIPT, str(directory)],
+        capture_output=True, text=True, check=True,
+    )
+    assert "Error writing persistent compilation cache" not in out.stderr
+    assert _run(str(directory))["compiles"] == 0

@@ -247,3 +247,31 @@ def test_complete_steps_agrees_with_orbax(tmp_path):
         ckpt.save(step, {"x": jnp.ones(3)}, {"s": json.dumps(step)})
     os.makedirs(tmp_path / "7.orbax-checkpoint-tmp-123")
     assert preflight.complete_steps(str(tmp_path)) == ckpt.all_steps() == [1, 5]
+
+
+def test_writable_dir_probe_survives_another_process_removing_the_new_folder(tmp_path, monkeypatch):
+    """Two processes of one run probe the same new out_dir; the other one's clean-up can remove
+    the folder between this one's makedirs and its probe (CI saw 'cannot write there (No such file
+    or directory)'). The probe makes it again; a folder that stays unwritable is still refused."""
+    import tempfile
+
+    real = tempfile.NamedTemporaryFile
+    target = tmp_path / "new" / "run"
+    calls = []
+
+    def racing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the other process's rmdir lands here
+            os.rmdir(target)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", racing)
+    preflight.check_writable_dir(str(target), "run.out_dir")
+    assert len(calls) == 2 and not (tmp_path / "new").exists()  # disk left as it was
+
+    def always_gone(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", always_gone)
+    with pytest.raises(preflight.PreflightError, match="run.out_dir=.*cannot write there"):
+        preflight.check_writable_dir(str(target), "run.out_dir")
