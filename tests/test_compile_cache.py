@@ -106,7 +106,9 @@ def test_a_process_killed_mid_write_leaves_a_usable_cache(tmp_path):
     (directory / "jit_orphan-0123-cache").write_bytes(b"not a program")
     out = subprocess.run(
         [sys.executable, "-W", "error::UserWarning", "-c", _SCRIPT, str(directory)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "Error writing persistent compilation cache" not in out.stderr
     assert _run(str(directory))["compiles"] == 0
