@@ -222,3 +222,23 @@ def test_length_by_outcome():
     assert none_right["response_length_incorrect_mean"] == 4.0
     with pytest.raises(ValueError, match="3 lengths, 2 flags"):
         metrics.length_by_outcome([1, 2, 3], [1, 0])
+
+
+def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports(tmp_path):
+    """A fresh process opens the TensorBoard writer without loading torch (seconds of start-up),
+    its scalars are written, and a later ``import torch`` still works."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from jaxrlvr import metrics\n"
+        f"with metrics.MetricsLogger({str(tmp_path)!r}) as log:\n"
+        "    log.log(3, {'reward': 0.25})\n"
+        "print('torch' in sys.modules)\n"
+        "import torch\n"
+        "print(torch.ones(2).sum().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "2.0"]
+    assert _tb_scalars(tmp_path) == [(3, "reward", 0.25)]
