@@ -81,28 +81,31 @@ class SFTPhase(base.Phase):
             seed=cfg.run.seed + 1,
         )
 
-    def response(self, text: str) -> tuple[list[int], list[float] | None]:
-        """A response's token ids + EOS and, with ``env.tools``, its loss weights: the tool
+    def responses(self, texts: list[str]) -> list[tuple[list[int], list[float] | None]]:
+        """Each response's token ids + EOS and, with ``env.tools``, its loss weights: the tool
         outputs of a written trace (``envs.split_trace``) are tokenized on their own, as a
         rollout appends them, and weigh 0, so SFT trains on what the model writes only."""
         tok = self.ctx.tokenizer
         if not self.cfg.env.tools:
-            return builders.encode(tok, text) + [tok.eos_token_id], None
-        ids, weights = [], []
-        for piece, from_env in envs_base.split_trace(text):
-            piece_ids = builders.encode(tok, piece)
-            ids += piece_ids
-            weights += [0.0 if from_env else 1.0] * len(piece_ids)
-        return ids + [tok.eos_token_id], weights + [1.0]
+            return [(ids + [tok.eos_token_id], None) for ids in builders.encode_many(tok, texts)]
+        out = []
+        for text in texts:
+            ids, weights = [], []
+            for piece, from_env in envs_base.split_trace(text):
+                piece_ids = builders.encode(tok, piece)
+                ids += piece_ids
+                weights += [0.0 if from_env else 1.0] * len(piece_ids)
+            out.append((ids + [tok.eos_token_id], weights + [1.0]))
+        return out
 
     def batch(self, examples: list[loading.Problem]):
         """The host batch of ``examples``: prompt + response + EOS, cut to the context."""
         ctx = self.ctx
         limit = ctx.model_cfg.max_position_embeddings
         prompts, responses, weights = [], [], []
-        for ex in examples:
-            p = builders.encode(ctx.tokenizer, ex.question)
-            r, w = self.response(ex.answer)
+        questions = builders.encode_many(ctx.tokenizer, [ex.question for ex in examples])
+        answers = self.responses([ex.answer for ex in examples])
+        for p, (r, w) in zip(questions, answers, strict=True):
             prompts.append(p[: limit - 1])
             keep = max(limit - len(prompts[-1]), 0)
             responses.append(r[:keep])
