@@ -32,7 +32,8 @@ def evaluate(
         first = len(problems) * block[0] // block[1]
         problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
     n = cfg.eval.samples_per_problem
-    prompts = [builders.encode(tokenizer, builders.render(cfg, p, tokenizer)) for p in problems]
+    texts = [builders.render(cfg, p, tokenizer) for p in problems]
+    prompts = builders.encode_many(tokenizer, texts)
     # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
     # runs one program over all processes' rows, with one seed).
     offset = first if cfg.sampler.kind != "jax" else 0

@@ -167,7 +167,8 @@ class MetricsLogger:
             # A SessionLog START at purge_step: TensorBoard then hides the earlier events at
             # steps >= purge_step (what tensorboardX's SummaryWriter(purge_step=) writes).
             writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
-            writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+            start = SessionLog(status=SessionLog.START)
+            writer.add_event(Event(step=purge_step, session_log=start))
         return writer
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -91,7 +91,7 @@ class RunContext:
     def encode_prompts(self, problems: list[loading.Problem]) -> list[list[int]]:
         """The problems' rendered prompts as token ids."""
         cfg, tok = self.cfg, self.tokenizer
-        return [builders.encode(tok, builders.render(cfg, p, tok)) for p in problems]
+        return builders.encode_many(tok, [builders.render(cfg, p, tok) for p in problems])
 
     def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
         """(scores, stats) of ``n`` completions per problem (problem-major) by the run's grader."""
