@@ -66,13 +66,18 @@ def plain_repr(value, type_=type, repr_=repr, depth=0):
     return repr_(value)
 
 
+def _cpu_limit_s(lim: dict) -> int:
+    """RLIMIT_CPU's whole seconds for the limits ``lim``."""
+    return max(1, int(lim["cpu_s"] + 0.999))
+
+
 def _set_limits(lim: dict) -> None:
     def cap(kind, value):
         value = int(value)
         resource.setrlimit(kind, (value, value))
 
     cap(resource.RLIMIT_CORE, 0)
-    cap(resource.RLIMIT_CPU, max(1, int(lim["cpu_s"] + 0.999)))
+    cap(resource.RLIMIT_CPU, _cpu_limit_s(lim))
     cap(resource.RLIMIT_AS, lim["memory_mb"] << 20)
     cap(resource.RLIMIT_NOFILE, lim["max_open_files"])
     cap(resource.RLIMIT_FSIZE, lim["max_file_mb"] << 20)
@@ -150,6 +155,31 @@ def _child(request: dict, report_fd: int, uid: int | None, workdir: str) -> None
     except BaseException:
         pass
     os._exit(0)
+
+
+def _how_it_ended(pid: int, deadline: float, cpu_limit_s: int, status: str) -> str:
+    """The status of a child whose report pipe closed: ``status`` when it exited, ``"timeout"``
+    when its CPU-time limit killed it (the limit equals the program's time limit, and on a busy
+    machine it can end a loop before the harness's wall-clock deadline does; with soft = hard
+    limits Linux sends SIGKILL, so the child's CPU seconds tell), and ``"program_error"`` when
+    another signal did (a crash). A child that closed the pipe but runs on is waited for until
+    ``deadline``: then ``"timeout"``."""
+    while True:
+        try:
+            done, wait_status, usage = os.wait4(pid, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if done:
+            if not os.WIFSIGNALED(wait_status):
+                return status
+            cpu = usage.ru_utime + usage.ru_stime
+            signum = os.WTERMSIG(wait_status)
+            if signum == signal.SIGXCPU or (signum == signal.SIGKILL and cpu >= cpu_limit_s - 0.05):
+                return "timeout"
+            return "program_error"
+        if time.monotonic() >= deadline:
+            return "timeout"
+        time.sleep(0.002)
 
 
 def _sweep(own_pid: int) -> int:
@@ -257,6 +287,8 @@ def run_program(request: dict, serial: int, isolate: bool, uid_base: int) -> dic
                         passed[i] = ast.literal_eval(event[2]) == expected[i]
                     except Exception:
                         passed[i] = False
+    if eof and status in ("done", "program_error"):
+        status = _how_it_ended(pid, program_deadline, _cpu_limit_s(lim), status)
     seconds = time.monotonic() - start
     os.close(read_fd)
     try:

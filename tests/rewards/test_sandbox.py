@@ -8,11 +8,13 @@ test, 2 s per program, 8 processes, 1 MiB files, a 4 MiB tmpfs) to keep the file
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import socket
 import time
+import warnings
 
 import pytest
 
@@ -350,3 +352,22 @@ def test_sandbox_dies_with_its_grader():
     while (sandbox_processes(uid_base) or _alive(bwrap_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sandbox_processes(uid_base) == [] and not _alive(bwrap_pid)
+
+
+@pytest.mark.parametrize("kind", ["bwrap", "none"])
+def test_a_program_the_cpu_limit_kills_is_a_timeout_not_done(kind):
+    """The CPU-time limit (SIGXCPU) can end a busy loop before the wall-clock deadline (it did
+    in CI on a loaded machine: the Python tool's infinite loop came back "done", no error). Here
+    the CPU limit (1 s) is far inside the deadline (20 s), so it always strikes first; a program
+    that crashes on a signal of its own is a program error; a normal exit stays "done"."""
+    cfg = dataclasses.replace(CFG, kind=kind, cpu_s=1.0, program_timeout_s=20.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kind="none" warns that it is unsandboxed
+        box = sandbox.Sandbox(cfg)
+    with box:
+        start = time.monotonic()
+        result = box.run("while True: pass\n", capture=64)
+        assert result.status == "timeout" and time.monotonic() - start < 10
+        crash = box.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", capture=64)
+        assert crash.status == "program_error"
+        assert box.run("print(6 * 7)\n", capture=64).status == "done"
