@@ -39,6 +39,7 @@ from flax import nnx
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import optim
 from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import lora
 
 Optimizer = optim.OptimizerConfig | optax.GradientTransformation
 Metrics = dict[str, jax.Array]
@@ -79,9 +80,11 @@ def prng_key(rng: jax.Array | int) -> jax.Array:
 
 
 def frozen_reference(params: nnx.State, needed: bool) -> nnx.State | None:
-    """A copy of ``params`` as the frozen KL / DPO reference when ``needed``, else None."""
+    """A copy of ``params`` as the frozen KL / DPO reference when ``needed``, else None; with
+    LoRA adapters, a copy of the adapters only (``TrainState.reference_params`` joins them with
+    the frozen base, which is then not held twice)."""
     # Fresh buffers: the state is donated every step, the reference must outlive that.
-    return jax.tree.map(jnp.copy, params) if needed else None
+    return jax.tree.map(jnp.copy, lora.trainable(params)) if needed else None
 
 
 def select_fields(batch: batch_lib.Batch, spec: batch_lib.BatchSpec) -> batch_lib.Batch:

@@ -106,5 +106,6 @@ def policy_passes(
     run with that version's parameters (``phases.rl``).
     """
     old_logp = logprob_fn(state.params, rollouts)[0] if old else None
-    ref_logp = None if state.ref_params is None else logprob_fn(state.ref_params, rollouts)[0]
+    ref = state.reference_params()
+    ref_logp = None if ref is None else logprob_fn(ref, rollouts)[0]
     return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), {}

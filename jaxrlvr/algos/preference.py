@@ -546,7 +546,8 @@ def preference_algorithm(
 
     def prepare(state, rollouts):
         if needs_ref and rollouts.ref_logp is None:
-            rollouts = rollouts.replace(ref_logp=logprob_fn(state.ref_params, rollouts)[0])
+            ref_logp = logprob_fn(state.reference_params(), rollouts)[0]
+            rollouts = rollouts.replace(ref_logp=ref_logp)
         return algorithm_lib.select_fields(rollouts, update.batch_spec), {}
 
     return algorithm_lib.Algorithm(

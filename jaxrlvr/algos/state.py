@@ -31,8 +31,10 @@ class TrainState:
     ``opt_state`` covers only them: ``model.lora.split_trainable``); value_params /
     value_opt_state: the PPO
     critic (``value.init_value_head``, or ``value.init_value_model`` for a separate value model)
-    and its optax state, None otherwise; ref_params: the frozen reference policy (same tree as
-    ``params``) for KL penalties, None otherwise."""
+    and its optax state, None otherwise; ref_params: the frozen reference policy for KL
+    penalties, None otherwise: the same tree as ``params``, or with LoRA adapters only the
+    reference's adapter values (the base is frozen, so the reference's base is the policy's own;
+    ``reference_params`` joins them, and the base is not held twice)."""
 
     step: jax.Array
     params: nnx.State
@@ -41,6 +43,13 @@ class TrainState:
     value_params: Any = None
     value_opt_state: Any = None
     ref_params: Any = None
+
+    def reference_params(self) -> nnx.State | None:
+        """The reference policy's whole params: ``ref_params``, or with LoRA adapters, the
+        policy's frozen base joined with the reference's adapters."""
+        if self.ref_params is None or not lora.has_adapters(self.params):
+            return self.ref_params
+        return lora.split_trainable(self.params)[1](self.ref_params)
 
     @classmethod
     def create(

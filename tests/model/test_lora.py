@@ -223,6 +223,26 @@ def test_every_method_trains_only_the_adapters(tiny_lora, method):
         assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
 
 
+def test_the_reference_holds_the_adapters_only_and_stays_the_initial_policy(tiny_lora):
+    """With adapters, the KL / DPO reference keeps a copy of the initial adapters only (the
+    frozen base is the policy's own, not held twice), and its log-probs stay those of the
+    initial policy after the policy's adapters move (exactly: the same computation)."""
+    cfg, graphdef, params = tiny_lora
+    algo = _algo("dpo", graphdef, params)
+    state = algo.init(jax.tree.map(jnp.copy, params), 0)
+    held = sum(x.size for x in jax.tree.leaves(state.ref_params))
+    assert held == lora.num_adapter_params(params)
+    rollouts = _rollouts(cfg.vocab_size).replace(advantages=None, rewards=None, correct=None)
+    rollouts = algorithm.select_fields(rollouts, algo.rollout_spec)
+    before, _ = algo.prepare(state, rollouts)
+    trainable, join = lora.split_trainable(state.params)
+    moved = state.replace(params=join(jax.tree.map(lambda x: x + 0.3, trainable)))
+    after, _ = algo.prepare(moved, rollouts)
+    np.testing.assert_array_equal(np.asarray(before.ref_logp), np.asarray(after.ref_logp))
+    policy, _ = algo.prepare(moved.replace(ref_params=lora.trainable(moved.params)), rollouts)
+    assert np.abs(np.asarray(policy.ref_logp) - np.asarray(before.ref_logp)).max() > 1e-3
+
+
 def test_dropout_applies_in_updates_only(tiny_lora):
     """With ``dropout`` 0.5 the update's loss depends on the state's rng (a fresh mask per
     step) and differs from the dropout-free loss; model calls outside ``lora.dropout_rng``
