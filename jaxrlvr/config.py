@@ -515,8 +515,17 @@ class EnvSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
+    """A checkpoint every ``every`` steps of a phase (0: only at a phase's end and on an agreed
+    stop), the newest ``keep`` kept."""
+
     every: int = 10
     keep: int = 3
+
+    def __post_init__(self):
+        if not (isinstance(self.every, int) and self.every >= 0):
+            raise ValueError(f"checkpoint.every={self.every!r}: expected an int >= 0")
+        if not (isinstance(self.keep, int) and self.keep >= 1):
+            raise ValueError(f"checkpoint.keep={self.keep!r}: expected an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -209,7 +209,8 @@ class Trainer:
         return ev
 
     def _checkpoint_due(self, phase: base.Phase, stopping: bool) -> bool:
-        return stopping or phase.done or phase.position % self.cfg.checkpoint.every == 0
+        every = self.cfg.checkpoint.every
+        return stopping or phase.done or bool(every and phase.position % every == 0)
 
     def _save(self) -> None:
         phase = self.phase

@@ -224,32 +224,61 @@ def _jax_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
+# Trace events that are the host's spans, not XLA ops: Python frames ("$..."), the executor's
+# own spans and the waits around a call ("np.asarray(jax.Array)" lasts as long as the step it
+# waits for; counted as an op it made "elementwise" look like two thirds of the step).
+HOST_SPANS = (
+    "$",
+    "ThunkExecutor",
+    "np.asarray",
+    "PjitFunction",
+    "SlinkyThreadPool",
+    "CommonPjRt",
+    "ParseArguments",
+    "end: ",
+)
+
+
+def op_kind(name: str) -> str | None:
+    """The op class of one XLA:CPU trace event's name; None for the host's spans."""
+    if name.startswith(HOST_SPANS):
+        return None
+    if name.startswith(("ynn_fusion", "xnn_fusion")) or "dot" in name:
+        return "matmul"
+    if "broadcast" in name:
+        return "broadcast"
+    if name.startswith("copy"):
+        return "copy"
+    if "dynamic" in name:
+        return "scan_slices"
+    if name.startswith("while"):
+        return "while"
+    return "elementwise"
+
+
+def classify(events: list[dict], steps: int) -> dict[str, float]:
+    """Milliseconds per step by op class of a Chrome-trace event list (complete events only)."""
+    out: dict[str, float] = {}
+    for e in events:
+        kind = op_kind(e.get("name", "")) if e.get("ph") == "X" else None
+        if kind is not None:
+            out[kind] = out.get(kind, 0.0) + e["dur"] / 1000 / steps
+    return out
+
+
 def op_classes(fn: Callable[[], Any], steps: int) -> dict[str, float]:
     """Milliseconds per call of ``fn`` by XLA:CPU op class, from JAX's profiler trace of
     ``steps`` calls (``jax.profiler.trace``, one event per executed thunk; threads summed, so the
     classes add up to more than the wall time when both cores work). Classes: matmul fusions
     (XNNPACK/YNN dot fusions, ``dot``), ``broadcast`` (zero-filled buffers: the layer scan's
     stacked residuals and accumulators), copies, the scan's dynamic(-update)-slices, while loops,
-    the rest (elementwise and reduction fusions)."""
-    import collections
+    the rest (elementwise and reduction fusions); the host's own spans (``HOST_SPANS``) are left
+    out."""
     import glob
     import gzip
     import json
 
     import jax
-
-    def kind(name: str) -> str:
-        if name.startswith(("ynn_fusion", "xnn_fusion")) or "dot" in name:
-            return "matmul"
-        if "broadcast" in name:
-            return "broadcast"
-        if name.startswith("copy"):
-            return "copy"
-        if "dynamic" in name:
-            return "scan_slices"
-        if name.startswith("while"):
-            return "while"
-        return "elementwise"
 
     with tempfile.TemporaryDirectory(prefix="bench-update-trace-") as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -258,13 +287,7 @@ def op_classes(fn: Callable[[], Any], steps: int) -> dict[str, float]:
         (path,) = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
-    out: dict[str, float] = collections.defaultdict(float)
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") != "X" or name.startswith(("$", "ThunkExecutor")):
-            continue  # Python frames and the executor's own spans
-        out[kind(name)] += e["dur"] / 1000 / steps
-    return dict(out)
+    return classify(events, steps)
 
 
 def train_overrides(microbatches: int) -> list[str]:
