@@ -137,7 +137,6 @@ def test_the_loop_runs_phases_it_knows_nothing_of(tmp_path, two_phases):
     assert lines[2]["first/position"] == 3 and lines[2]["eval/accuracy"] == pytest.approx(0.1)
 
 
-
 def test_checkpoint_every_0_saves_at_each_phase_end_only(tmp_path, two_phases):
     """``checkpoint.every: 0``: no periodic checkpoints, one at each phase's end (it was a
     ZeroDivisionError after the first step); a negative value is refused in one line."""
@@ -153,6 +152,7 @@ def test_checkpoint_every_0_saves_at_each_phase_end_only(tmp_path, two_phases):
     assert saved == [3, 7]
     with pytest.raises(ValueError, match=r"checkpoint.every=-1: expected an int >= 0"):
         _cfg(f"run.out_dir={tmp_path}", "checkpoint.every=-1")
+
 
 def test_an_agreed_stop_saves_that_step_and_resume_continues_the_phase(
     tmp_path, two_phases, monkeypatch
