@@ -296,3 +296,24 @@ def test_update_weights_changes_outputs(ckpt, lm):
         np.testing.assert_allclose(c.logprobs, ref, atol=1e-4)
     with pytest.raises(ValueError, match="weights tree"):
         s.update_weights({"not": "params"})
+
+
+def test_rows_decode_through_the_rust_decoder_exactly_as_through_the_tokenizer(sampler):
+    """The sampler decodes rows and stop-string prefixes with the ``tokenizers`` decoder itself
+    (``backend_decoder``) where that is what ``tokenizer.decode`` does: the same texts for random
+    ids (special tokens, byte-level pieces that split UTF-8 characters); a tokenizer that
+    cleans spaces up, or one without a Rust backend, keeps its own ``decode``."""
+    import copy
+
+    tok = sampler.tokenizer
+    assert jax_sampler.backend_decoder(tok) is not None
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, len(tok), n).tolist() for n in rng.integers(1, 24, 200)]
+    assert sampler._decode_all(rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert [sampler._decode(r) for r in rows] == [
+        tok.decode(r, skip_special_tokens=True) for r in rows
+    ]
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert jax_sampler.backend_decoder(cleaning) is None
+    assert jax_sampler.backend_decoder(object()) is None
