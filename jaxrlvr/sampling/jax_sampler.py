@@ -263,7 +263,7 @@ def backend_decoder(tokenizer: Any):
 
     Why: the sampler decodes every row once and, for a stop string, a few prefixes of each row;
     through the Python wrapper (argument conversion per call) that was 16 ms of host time per
-    demo step of 256 rows, 4 ms calling the decoder directly (docs/step_profile.md)."""
+    demo step of 256 rows, 8.7 ms calling the decoder directly (docs/step_profile.md)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch"):
         return None
