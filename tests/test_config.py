@@ -94,10 +94,13 @@ def test_missing_file_and_bad_yaml(tmp_path):
         config_lib.load_config(str(bad))
 
 
-@pytest.mark.parametrize("override, scan", [(None, True), ("model.scan_layers=false", False)])
+@pytest.mark.parametrize(
+    "override, scan",
+    [(None, False), ("model.scan_layers=true", True), ("model.scan_layers=false", False)],
+)
 def test_model_layer_loop_choice_reaches_the_model(override, scan):
-    # model.scan_layers picks lax.scan (default) or the unrolled layer loop (a random model here;
-    # load_hf's scan_layers argument is covered by tests/model/test_parity.py).
+    # model.scan_layers picks lax.scan or the unrolled layer loop (configs/demo.yaml: unrolled; a
+    # random model here; load_hf's scan_layers argument is covered by tests/model/test_parity.py).
     from jaxrlvr import builders
 
     cfg = config_lib.load_config("configs/demo.yaml", [override] if override else [])
