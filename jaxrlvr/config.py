@@ -298,6 +298,14 @@ class RLSection:
     bucket that ``microbatches`` x the mesh's batch shards divides (``rollout.row_bucket``).
     Off: one rollout per row, right-padded to the length bucket.
 
+    ``share_prompts`` (packed rows only, like ``max_tokens_per_row``; without packing and in
+    the preference phases it does nothing): each prompt's ``group_size`` rollouts are packed as one
+    block, the prompt laid out once and each completion after it in a segment of its own that
+    attends to it (``rollout.pack``, ``model.qwen2``): the update and the log-prob passes
+    compute a prompt's positions once per group instead of once per rollout, with the same
+    log-probs, loss and gradient (float summation order aside). A block is at most
+    ``max_tokens_per_row`` positions (default: its length bucket), so rows hold whole groups.
+
     ``max_tokens_per_microbatch`` (packing only): a token budget instead of a fixed
     ``microbatches``. Each step then takes the fewest microbatches (from the buckets 1, 2, 3, 4,
     6, 8, 12, ...) whose rows x the step's row length T stay within the budget, with rows per
@@ -352,6 +360,7 @@ class RLSection:
     overlong_cache_len: int | None = None
     mask_forced_tokens: bool = True
     packing: bool = True
+    share_prompts: bool = False
     max_tokens_per_row: int | None = None
     max_tokens_per_microbatch: int | None = None
     max_staleness: int = 0

@@ -14,6 +14,10 @@ heavy-tailed length distribution leaves in a padded batch is not computed. With 
 per microbatch (``budget_rows``, the driver's ``rl.max_tokens_per_microbatch``) the row count
 and the number of microbatches are both chosen from such buckets. Per-sequence fields
 (advantages, rewards, correct) become per token in the packed layout (``PackedBatch.per_token``).
+Shared prompts (``pack(share_prompts=G)``, the driver's ``rl.share_prompts``): the G completions
+of a prompt are packed as one block, the prompt once and each completion after it in a segment
+of its own that attends to it (``prompt_group_ids``, ``model.qwen2``): a GRPO group costs its
+prompt's positions once instead of G times, with the same log-probs, loss and gradient.
 
 Left out: sampling itself (``sampling/``), the loss math (``algos/``).
 """
@@ -91,6 +95,8 @@ class PackedBatch:
 
     Packed layout: ``segment_ids``/``positions`` [B, T] and ``placement`` [N, 3] (row, first
     position, end position) of each of the N sequences, in input order; None when padded.
+    Shared prompts: ``prompt_group_ids`` [B, T] (``algos.batch``), and a sequence's placement is
+    its completion's span (its prompt is its group's).
     """
 
     input_ids: np.ndarray
@@ -102,6 +108,7 @@ class PackedBatch:
     segment_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
     placement: np.ndarray | None = None
+    prompt_group_ids: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -143,6 +150,7 @@ def pack(
     segments: bool = False,
     row_tokens: int | None = None,
     row_multiple: int = 1,
+    share_prompts: int | None = None,
 ) -> PackedBatch:
     """Packs prompt + completion rows into shifted, right-padded arrays.
 
@@ -158,6 +166,10 @@ def pack(
         given) fixes the row count, and the default row count is ``row_bucket`` of the rows used.
       row_tokens: packed rows' length T (at least the bucket of the longest sequence).
       row_multiple: packed row counts are multiples of it (microbatches x batch shards).
+      share_prompts: packed, every ``share_prompts`` consecutive rows continue one prompt (a
+        GRPO group): the prompt is laid out once and its completions attend to it
+        (``prompt_group_ids``), so a group costs its prompt's positions once instead of once per
+        completion; same log-probs, loss and gradient as without.
     """
     rows = len(prompts)
     if len(completions) != rows:
@@ -174,7 +186,10 @@ def pack(
             max_length=max_length,
             row_tokens=row_tokens,
             row_multiple=row_multiple,
+            share_prompts=share_prompts,
         )
+    if share_prompts:
+        raise ValueError("pack: share_prompts needs the packed layout (segments=True)")
     batch_size = rows if batch_size is None else batch_size
     if batch_size < rows:
         raise ValueError(f"pack: batch_size={batch_size} is smaller than the {rows} rows given")
@@ -208,6 +223,60 @@ def pack(
     )
 
 
+@dataclasses.dataclass
+class _Item:
+    """What first-fit decreasing places as one block of a packed row: one sequence, or a group
+    of completions after one shared copy of their prompt (``share_prompts``)."""
+
+    prefix: list[int]  # a group's shared prompt, all but its last token (segment 0)
+    # Per sequence: (completion index, input ids, label ids, offset of its first completion
+    # label in the span, first position id).
+    spans: list[tuple[int, list[int], list[int], int, int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + sum(len(ids) for _, ids, _, _, _ in self.spans)
+
+
+def _sequence_items(prompts, completions) -> list[_Item]:
+    """One item per sequence ``[prompt][completion]``, shifted by one (empty: nothing to pack)."""
+    items = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        full = list(p) + list(c)
+        if len(full) < 2:
+            continue
+        items.append(_Item([], [(i, full[:-1], full[1:], len(p) - 1, 0)]))
+    return items
+
+
+def _group_items(prompts, completions, group_size: int) -> list[_Item]:
+    """One item per group of ``group_size`` consecutive completions of one prompt: the prompt
+    but its last token once, then per completion the prompt's last token and the completion
+    shifted by one (the span that predicts the completion: ``len(completion)`` positions)."""
+    if len(completions) % group_size:
+        raise ValueError(
+            f"pack: {len(completions)} completions are not groups of share_prompts={group_size}"
+        )
+    items = []
+    for g in range(0, len(completions), group_size):
+        p = list(prompts[g])
+        if not p:
+            raise ValueError("pack: share_prompts needs prompts of at least one token")
+        if any(list(prompts[i]) != p for i in range(g, g + group_size)):
+            raise ValueError(
+                f"pack: share_prompts={group_size}, but completions {g}..{g + group_size - 1} "
+                "do not all continue one prompt"
+            )
+        spans = [
+            (i, [p[-1]] + list(completions[i][:-1]), list(completions[i]), 0, len(p) - 1)
+            for i in range(g, g + group_size)
+            if len(completions[i])
+        ]
+        if spans:
+            items.append(_Item(p[:-1], spans))
+    return items
+
+
 def _pack_segments(
     prompts,
     completions,
@@ -220,29 +289,31 @@ def _pack_segments(
     max_length,
     row_tokens,
     row_multiple,
+    share_prompts=None,
 ) -> PackedBatch:
-    """``pack(segments=True)``: first-fit decreasing into rows of T positions."""
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    sizes = [max(len(s) - 1, 0) for s in seqs]
-    longest = max((len(s) for s in seqs), default=2)
+    """``pack(segments=True)``: first-fit decreasing of the items (sequences, or groups that
+    share their prompt) into rows of T positions."""
+    if share_prompts:
+        items = _group_items(prompts, completions, share_prompts)
+    else:
+        items = _sequence_items(prompts, completions)
+    longest = max((it.size for it in items), default=1)
     if length is None:
-        length = max(length_bucket(longest, maximum=max_length) - 1, row_tokens or 0)
-    if max(sizes, default=0) > length:
-        raise ValueError(
-            f"pack: a row of {max(sizes) + 1} tokens does not fit length T={length} + 1"
-        )
+        length = max(length_bucket(longest + 1, maximum=max_length) - 1, row_tokens or 0)
+    if longest > length:
+        what = "a group sharing its prompt" if share_prompts else "a row"
+        raise ValueError(f"pack: {what} of {longest + 1} tokens does not fit length T={length} + 1")
     # First-fit decreasing (stable for equal sizes): rows end up nearly full.
     free: list[int] = []
-    where = [(0, 0)] * len(seqs)
-    for i in sorted(range(len(seqs)), key=lambda i: -sizes[i]):
-        if sizes[i] == 0:
-            continue
-        row = next((r for r, f in enumerate(free) if f >= sizes[i]), None)
+    where = [(0, 0)] * len(items)
+    for k in sorted(range(len(items)), key=lambda k: -items[k].size):
+        size = items[k].size
+        row = next((r for r, f in enumerate(free) if f >= size), None)
         if row is None:
             row = len(free)
             free.append(length)
-        where[i] = (row, length - free[row])
-        free[row] -= sizes[i]
+        where[k] = (row, length - free[row])
+        free[row] -= size
     rows = max(len(free), 1)
     b = row_bucket(rows, row_multiple) if batch_size is None else batch_size
     if b < rows:
@@ -254,29 +325,45 @@ def _pack_segments(
     sampler_logp = np.zeros((b, length), np.float32)
     segment_ids = np.zeros((b, length), np.int32)
     positions = np.zeros((b, length), np.int32)
-    placement = np.zeros((len(seqs), 3), np.int64)
-    # Segment ids 1, 2, ... in position order within each row.
-    order = sorted(range(len(seqs)), key=lambda i: where[i])
-    counts = [0] * b
-    for i in order:
-        n = sizes[i]
-        row, start = where[i]
-        end = start + n
-        placement[i] = (row, start, end)
-        if n == 0:
-            continue
-        full = np.asarray(seqs[i], np.int32)
-        counts[row] += 1
-        input_ids[row, start:end] = full[:-1]
-        labels[row, start:end] = full[1:]
-        attention[row, start:end] = 1
-        segment_ids[row, start:end] = counts[row]
-        positions[row, start:end] = np.arange(n)
-        c = completions[i]
-        first = start + len(prompts[i]) - 1  # label position of the first completion token
-        _write_completion(
-            loss_mask, sampler_logp, row, first, i, len(c), loss_weights, sampler_logps
-        )
+    groups = np.zeros((b, length), np.int32) if share_prompts else None
+    placement = np.zeros((len(completions), 3), np.int64)
+    # Segment (and group) ids 1, 2, ... in position order within each row.
+    seg_count, group_count = [0] * b, [0] * b
+    for k in sorted(range(len(items)), key=lambda k: where[k]):
+        item, (row, pos) = items[k], where[k]
+        if groups is not None:
+            group_count[row] += 1
+        n = len(item.prefix)
+        if n:
+            ids = np.asarray(item.prefix, np.int32)
+            input_ids[row, pos : pos + n] = ids
+            labels[row, pos : pos + n - 1] = ids[1:]  # no loss on a prompt: labels are unread
+            attention[row, pos : pos + n] = 1
+            positions[row, pos : pos + n] = np.arange(n)
+            groups[row, pos : pos + n] = group_count[row]
+            pos += n
+        for i, ids, labs, first, pos0 in item.spans:
+            end = pos + len(ids)
+            seg_count[row] += 1
+            placement[i] = (row, pos, end)
+            input_ids[row, pos:end] = ids
+            labels[row, pos:end] = labs
+            attention[row, pos:end] = 1
+            segment_ids[row, pos:end] = seg_count[row]
+            positions[row, pos:end] = pos0 + np.arange(len(ids))
+            if groups is not None:
+                groups[row, pos:end] = group_count[row]
+            _write_completion(
+                loss_mask,
+                sampler_logp,
+                row,
+                pos + first,
+                i,
+                len(completions[i]),
+                loss_weights,
+                sampler_logps,
+            )
+            pos = end
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -287,6 +374,7 @@ def _pack_segments(
         segment_ids=segment_ids,
         positions=positions,
         placement=placement,
+        prompt_group_ids=groups,
     )
 
 
@@ -347,6 +435,8 @@ def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batc
     )
     if packed.segment_ids is not None:
         arrays.update(segment_ids=packed.segment_ids, positions=packed.positions)
+        if packed.prompt_group_ids is not None:
+            arrays.update(prompt_group_ids=packed.prompt_group_ids)
         fields = {
             k: packed.per_token(v) if v is not None and np.ndim(v) == 1 else v
             for k, v in fields.items()
@@ -361,8 +451,8 @@ class ShapingConfig:
     fills it from ``rl.*``): advantage estimator, Kimi length reward, DAPO overlong penalty,
     forced-token and truncation masking, zero-variance group dropping, and the layout: packed
     rows (``packing``: several rollouts per row of ``max_tokens_per_row`` positions, default the
-    length bucket of the longest rollout; row counts a multiple of ``row_multiple``) or one
-    rollout per padded row."""
+    length bucket of the longest rollout; row counts a multiple of ``row_multiple``; with
+    ``share_prompts`` each group's prompt once, ``pack``) or one rollout per padded row."""
 
     group_size: int
     advantage: loss_config.AdvantageConfig = dataclasses.field(
@@ -376,6 +466,7 @@ class ShapingConfig:
     packing: bool = False
     max_tokens_per_row: int | None = None
     row_multiple: int = 1
+    share_prompts: bool = False
 
 
 def shape(
@@ -425,6 +516,7 @@ def shape(
         segments=cfg.packing,
         row_tokens=cfg.max_tokens_per_row,
         row_multiple=cfg.row_multiple,
+        share_prompts=g if cfg.share_prompts else None,
     )
     batch = to_batch(
         packed, advantages=adv, rewards=rewards, correct=correct, sampler_logp=packed.sampler_logp

@@ -14,6 +14,9 @@ row, 0 on padding) and ``positions`` [B, T] int32 (restarting at 0 in every segm
 rollouts in one row; both or neither are given, and every update accepts them. Per-sequence
 fields (``advantages``, ``rewards``, ``correct``) are then per token, [B, T]: each token holds
 its sequence's value. Without segment ids they may be [B] (one sequence per row) or [B, T].
+Shared prompts (``rollout.pack(share_prompts=...)``): ``prompt_group_ids`` [B, T] int32 as well
+(``model.qwen2``): a group's prompt is laid out once, in segment 0 (no loss, no sequence), and
+its completions' segments attend to it.
 
 Not here: building batches from rollouts (the driver) and length bucketing.
 """
@@ -41,10 +44,12 @@ _LAYOUT = {
     "correct": "b",
     "segment_ids": "bt",
     "positions": "bt",
+    "prompt_group_ids": "bt",
 }
-# Packed rows: optional for every update, both or neither.
-PACKING_FIELDS = ("segment_ids", "positions")
-_INT_FIELDS = ("input_ids", "labels", "segment_ids", "positions")
+# Packed rows: optional for every update; segment ids and positions both or neither, prompt
+# group ids (shared prompts) only with them.
+PACKING_FIELDS = ("segment_ids", "positions", "prompt_group_ids")
+_INT_FIELDS = ("input_ids", "labels", "segment_ids", "positions", "prompt_group_ids")
 _MASK_FIELDS = ("attention_mask", "loss_mask")
 
 
@@ -69,6 +74,7 @@ class Batch:
     completion (expert iteration's filter).
     segment_ids, positions: int32 [B, T], packed rows (module docstring); then the per-sequence
     fields advantages, rewards and correct are per token, [B, T].
+    prompt_group_ids: int32 [B, T], packed rows whose groups share one copy of their prompt.
     """
 
     input_ids: jax.Array
@@ -85,6 +91,7 @@ class Batch:
     correct: jax.Array | None = None
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
+    prompt_group_ids: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +148,8 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
     packed = batch.segment_ids is not None
     if packed != (batch.positions is not None):
         raise BatchError("batch.segment_ids and batch.positions go together: give both or neither")
+    if batch.prompt_group_ids is not None and not packed:
+        raise BatchError("batch.prompt_group_ids (shared prompts) need batch.segment_ids")
     for name in _LAYOUT:
         x = getattr(batch, name)
         needed = name in BASE_FIELDS or name in spec.required

@@ -132,7 +132,11 @@ def token_logprobs(
     Chunked (``chunk_size``), only loss-mask positions are computed (0 elsewhere): chunks of
     prompt or padding in every row skip the lm_head. Unchunked, every position is."""
     hidden, _ = lm.backbone(
-        batch.input_ids, batch.attention_mask, batch.positions, segment_ids=batch.segment_ids
+        batch.input_ids,
+        batch.attention_mask,
+        batch.positions,
+        segment_ids=batch.segment_ids,
+        prompt_group_ids=batch.prompt_group_ids,
     )
     logp, ent = token_logprobs_from_hidden(
         lm,
@@ -159,8 +163,8 @@ def make_logprob_fn(
     ``lax.map`` chunks (same strided split as the updates) and ``chunk_size`` computes the logits
     in chunks of that many positions (``token_logprobs_from_hidden``), both to bound the
     [B, T, V] logits memory; chunked, only ``loss_mask`` positions are computed (0 elsewhere).
-    Uses ``input_ids``, ``attention_mask`` and ``labels`` (and the packing fields and
-    ``loss_mask`` when present); other fields are ignored.
+    Uses ``input_ids``, ``attention_mask`` and ``labels`` (and the packing fields, shared
+    prompts' included, and ``loss_mask`` when present); other fields are ignored.
     """
     check_microbatches(num_microbatches)
     check_chunk_size(chunk_size)
@@ -178,12 +182,15 @@ def make_logprob_fn(
             batch.labels,
             batch.positions,
             batch.segment_ids,
+            batch.prompt_group_ids,
             batch.loss_mask,
         )
 
         def one(x):
-            ids, mask, labels, positions, segment_ids, loss_mask = x
-            hidden, _ = lm.backbone(ids, mask, positions, segment_ids=segment_ids)
+            ids, mask, labels, positions, segment_ids, prompt_group_ids, loss_mask = x
+            hidden, _ = lm.backbone(
+                ids, mask, positions, segment_ids=segment_ids, prompt_group_ids=prompt_group_ids
+            )
             return token_logprobs_from_hidden(
                 lm,
                 hidden,

@@ -180,6 +180,7 @@ def make_ppo_update(
                 mb.attention_mask,
                 positions_bt=mb.positions,
                 segment_ids_bt=mb.segment_ids,
+                prompt_group_ids_bt=mb.prompt_group_ids,
             )
         else:
             if cfg.trunk == "detached":

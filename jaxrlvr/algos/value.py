@@ -107,12 +107,18 @@ def value_model_values(
     *,
     positions_bt: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
+    prompt_group_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """V [B, T] float32 of a separate critic (``init_value_model``): its own backbone, then the
-    head. ``positions_bt`` / ``segment_ids_bt``: packed rows (``algos.segments``)."""
+    head. ``positions_bt`` / ``segment_ids_bt`` / ``prompt_group_ids_bt``: packed rows
+    (``algos.segments``), shared prompts."""
     critic = nnx.merge(value_graphdef, value_params["backbone"])
     hidden, _ = critic.backbone(
-        input_ids_bt, attention_mask_bt, positions_bt, segment_ids=segment_ids_bt
+        input_ids_bt,
+        attention_mask_bt,
+        positions_bt,
+        segment_ids=segment_ids_bt,
+        prompt_group_ids=prompt_group_ids_bt,
     )
     return values_from_hidden(value_params["head"], hidden)
 
@@ -139,10 +145,15 @@ def make_value_fn(
                 batch.attention_mask,
                 positions_bt=batch.positions,
                 segment_ids_bt=batch.segment_ids,
+                prompt_group_ids_bt=batch.prompt_group_ids,
             )
         lm = nnx.merge(graphdef, params)
         hidden, _ = lm.backbone(
-            batch.input_ids, batch.attention_mask, batch.positions, segment_ids=batch.segment_ids
+            batch.input_ids,
+            batch.attention_mask,
+            batch.positions,
+            segment_ids=batch.segment_ids,
+            prompt_group_ids=batch.prompt_group_ids,
         )
         return values_from_hidden(value_params, hidden)
 

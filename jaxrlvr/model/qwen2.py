@@ -15,6 +15,12 @@ them explicitly for left padding). Norms, softmax and rotary tables are computed
 Packed rows (an extension, not in transformers): ``segment_ids`` [B, T] (1, 2, ... per sequence,
 0 on padding; ``algos.segments``) restrict attention to keys of the query's own segment, so
 several sequences share a row without seeing each other; pass per-segment ``position_ids``.
+Shared prompts (``prompt_group_ids`` [B, T], with ``segment_ids``): a group's prompt is laid out
+once, its positions in segment 0 with the group's number (1, 2, ... in the row), and each of the
+group's completions follows in a segment of its own carrying the same group number; a
+completion's queries see its own segment and its group's prompt, the prompt's queries see the
+prompt (``rollout.pack(share_prompts=...)``). Values equal those of each completion packed after
+its own copy of the prompt.
 
 Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 uses none of them).
 """
@@ -508,13 +514,16 @@ class Qwen2ForCausalLM(nnx.Module):
         position_ids=None,
         *,
         segment_ids=None,
+        prompt_group_ids=None,
         cache=None,
         cache_index=0,
     ):
         """Final hidden states [B, T, D] (after the last norm), and the updated cache or None.
 
         ``segment_ids`` [B, T] (packed rows, no cache): a query attends only to keys of its own
-        segment (block-diagonal causal mask)."""
+        segment (block-diagonal causal mask). ``prompt_group_ids`` [B, T] (with ``segment_ids``):
+        shared prompts (module docstring), a query also attends to the keys of segment 0 that
+        carry its group number."""
         cfg, mesh = self.config, self.mesh
         b, t = input_ids.shape
         if position_ids is None:
@@ -537,7 +546,16 @@ class Qwen2ForCausalLM(nnx.Module):
             if cache is not None:
                 raise ValueError("segment_ids (packed rows) are for the cache-free forward")
             seg = segment_ids.astype(jnp.int32)
-            mask_bts = mask_bts & (seg[:, :, None] == seg[:, None, :])
+            same = seg[:, :, None] == seg[:, None, :]
+            if prompt_group_ids is not None:
+                grp = prompt_group_ids.astype(jnp.int32)
+                shared_prompt = (seg == 0) & (grp != 0)  # keys of a group's shared prompt
+                same = (same & (seg != 0)[:, :, None]) | (
+                    shared_prompt[:, None, :] & (grp[:, :, None] == grp[:, None, :])
+                )
+            mask_bts = mask_bts & same
+        elif prompt_group_ids is not None:
+            raise ValueError("prompt_group_ids (shared prompts) need segment_ids")
 
         embedding = self.model.embed_tokens.embedding.get_value()
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.compute_dtype)
@@ -596,6 +614,7 @@ class Qwen2ForCausalLM(nnx.Module):
         position_ids=None,
         *,
         segment_ids=None,
+        prompt_group_ids=None,
         cache=None,
         cache_index=0,
     ):
@@ -604,6 +623,7 @@ class Qwen2ForCausalLM(nnx.Module):
             attention_mask,
             position_ids,
             segment_ids=segment_ids,
+            prompt_group_ids=prompt_group_ids,
             cache=cache,
             cache_index=cache_index,
         )

@@ -69,6 +69,7 @@ def shaping_config(
         mask_truncated=rl.loss.mask_truncated,
         drop_zero_variance_groups=rl.drop_zero_variance_groups,
         packing=rl.packing,
+        share_prompts=rl.packing and rl.share_prompts,
         max_tokens_per_row=rl.max_tokens_per_row,
         # With a token budget (microbatches 1) ``RLPhase.fit_budget`` sets the final row count.
         row_multiple=rl.microbatches * shards,

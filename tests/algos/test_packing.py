@@ -2,7 +2,8 @@
 positions) give the same loss, metrics and gradients as one rollout per padded row, for every
 aggregation mode, GSPO, KL in the loss and in the reward, sequence-level truncation and
 geometric IcePop, expert iteration, SFT and PPO with GAE; and attention never crosses a
-segment."""
+segment. Packed with shared prompts (each group's prompt once, ``rl.share_prompts``) the same
+holds for GRPO, expert iteration and PPO, and a completion sees its prompt and nothing else."""
 
 import jax
 import jax.numpy as jnp
@@ -59,17 +60,28 @@ def _rollouts(vocab: int, seed: int = 0):
     return prompts, completions, scores
 
 
-def _both(vocab, **shaping):
-    """(padded, packed) host batches of the same rollouts through ``rollout.shape``."""
+def _both(vocab, share_prompts=False, **shaping):
+    """(padded, packed) host batches of the same rollouts through ``rollout.shape``; with
+    ``share_prompts`` the packed one holds each group's prompt once."""
     prompts, completions, scores = _rollouts(vocab)
     out = []
     for packing in (False, True):
-        cfg = rollout.ShapingConfig(group_size=G, packing=packing, row_multiple=2, **shaping)
+        cfg = rollout.ShapingConfig(
+            group_size=G,
+            packing=packing,
+            share_prompts=packing and share_prompts,
+            row_multiple=2,
+            **shaping,
+        )
         batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0)
         out.append(batch)
     padded, packed = out
     assert packed.input_ids.shape[0] < padded.input_ids.shape[0]  # really packed
     assert packed.segment_ids.max() > 1
+    if share_prompts:  # each prompt laid out once, but its last token
+        assert int(np.sum((packed.segment_ids == 0) & (packed.attention_mask == 1))) == 2 + 4 + 3
+        saved = int(padded.attention_mask.sum()) - int(packed.attention_mask.sum())
+        assert saved == SHARED_SAVING
     return padded, packed
 
 
@@ -94,11 +106,17 @@ def _step(algo, params0, params1, rollouts, value_params=None):
     return grads, metrics
 
 
-def _assert_same(padded_out, packed_out):
+# Positions a shared-prompt batch does not compute: each of the 3 prompts (3, 5 and 4 tokens)
+# once per group instead of G times, all but its last token (which every completion repeats).
+SHARED_SAVING = (G - 1) * (2 + 4 + 3)
+
+
+def _assert_same(padded_out, packed_out, tokens_saved=0):
     (g_pad, m_pad), (g_pack, m_pack) = padded_out, packed_out
     assert m_pad.keys() == m_pack.keys()
     for k in m_pad:
-        np.testing.assert_allclose(m_pack[k], m_pad[k], rtol=TOL, atol=TOL, err_msg=k)
+        want = m_pad[k] - tokens_saved if k == "tokens" else m_pad[k]  # positions attended
+        np.testing.assert_allclose(m_pack[k], want, rtol=TOL, atol=TOL, err_msg=k)
     for a, b in zip(jax.tree.leaves(g_pad), jax.tree.leaves(g_pack)):
         np.testing.assert_allclose(b, a, rtol=TOL, atol=TOL)
     assert float(m_pad["grad_norm"]) > 1e-3  # a real gradient was compared
@@ -138,28 +156,56 @@ def test_grpo_packed_equals_padded(model, case):
     _assert_same(_step(algo, params0, params1, padded), _step(algo, params0, params1, packed))
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c == "seq_mean_token_mean" else pytest.param(c, marks=pytest.mark.slow)
+        for c in ("seq_mean_token_mean", "token_mean", "kl_in_loss_entropy", "gspo")
+    ],
+)
+def test_grpo_with_shared_prompts_equals_padded(model, case):
+    cfg, graphdef, params0, params1 = model
+    loss = loss_config.PolicyLossConfig(**POLICY_CASES[case])
+    algo = grpo.grpo_algorithm(graphdef, SGD, grpo.GRPOUpdateConfig(loss=loss, num_microbatches=2))
+    padded, shared = _both(cfg.vocab_size, share_prompts=True)
+    _assert_same(
+        _step(algo, params0, params1, padded),
+        _step(algo, params0, params1, shared),
+        SHARED_SAVING,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kl_in", ["reward", "loss"])
-def test_ppo_gae_packed_equals_padded(model, kl_in):
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_ppo_gae_packed_equals_padded(model, kl_in, share_prompts):
     cfg, graphdef, params0, params1 = model
     loss = loss_config.PolicyLossConfig(kl_coef=0.05, kl_in=kl_in)
     ppo_cfg = ppo.PPOUpdateConfig(loss=loss, gamma=0.99, lam=0.9, num_microbatches=2)
     algo = ppo.ppo_algorithm(graphdef, SGD, ppo_cfg)
     head = value.init_value_head(cfg.hidden_size, 3, std=0.3)
-    padded, packed = _both(cfg.vocab_size)
+    padded, packed = _both(cfg.vocab_size, share_prompts=share_prompts)
     _assert_same(
-        _step(algo, params0, params1, padded, head), _step(algo, params0, params1, packed, head)
+        _step(algo, params0, params1, padded, head),
+        _step(algo, params0, params1, packed, head),
+        SHARED_SAVING * share_prompts,
     )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sft", "expert_iteration"])
-def test_sft_and_expert_iteration_packed_equal_padded(model, kind):
+@pytest.mark.parametrize(
+    "kind,share_prompts", [("sft", False), ("expert_iteration", False), ("expert_iteration", True)]
+)
+def test_sft_and_expert_iteration_packed_equal_padded(model, kind, share_prompts):
     cfg, graphdef, params0, params1 = model
     sft_cfg = sft.SFTUpdateConfig(normalize_constant=8.0, num_microbatches=2)
     algo = getattr(sft, f"{kind}_algorithm")(graphdef, SGD, sft_cfg)
-    padded, packed = _both(cfg.vocab_size)
-    _assert_same(_step(algo, params0, params1, padded), _step(algo, params0, params1, packed))
+    padded, packed = _both(cfg.vocab_size, share_prompts=share_prompts)
+    _assert_same(
+        _step(algo, params0, params1, padded),
+        _step(algo, params0, params1, packed),
+        SHARED_SAVING * share_prompts,
+    )
 
 
 def test_gae_restarts_at_every_segment():
@@ -211,6 +257,77 @@ def test_attention_does_not_cross_segments(model):
         np.testing.assert_allclose(base[start : start + n], alone, rtol=1e-5, atol=1e-5)
         start += n
     assert t == sum(lengths) + 3
+
+
+def test_a_completion_sees_its_shared_prompt_and_nothing_else(model):
+    """Two groups in one row, each prompt laid out once: every completion's logits equal those
+    of its own prompt + completion alone in a row, and changing one completion's tokens leaves
+    every other token's logits bit-identical."""
+    cfg, graphdef, params0, _ = model
+    lm = nnx.merge(graphdef, params0)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in (4, 6)]
+    comps = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in (3, 5, 1, 4, 2, 6)]
+    per_completion = [prompts[i // 3] for i in range(6)]
+    p = rollout.pack(per_completion, comps, pad_id=0, segments=True, share_prompts=3, length=40)
+    assert p.shape == (1, 40)
+    groups = p.prompt_group_ids[0]
+    assert sorted(set(groups[p.attention_mask[0] == 1].tolist())) == [1, 2]
+    span_group = [int(groups[start]) for _, start, _ in p.placement]
+    assert [span_group[i] == span_group[j] for i in range(6) for j in range(6)] == [
+        i // 3 == j // 3 for i in range(6) for j in range(6)
+    ]
+    for i, (row, start, end) in enumerate(p.placement):  # a completion's span predicts it
+        assert p.labels[row, start:end].tolist() == comps[i]
+        assert p.input_ids[row, start] == per_completion[i][-1]
+        assert p.loss_mask[row, start:end].tolist() == [1.0] * len(comps[i])
+        first = len(per_completion[i]) - 1
+        assert p.positions[row, start:end].tolist() == list(range(first, first + len(comps[i])))
+
+    def logits(ids):
+        out = lm(
+            jnp.asarray(ids[None], jnp.int32),
+            p.attention_mask,
+            p.positions,
+            segment_ids=p.segment_ids,
+            prompt_group_ids=p.prompt_group_ids,
+        )
+        return np.asarray(out)[0]
+
+    base = logits(p.input_ids[0])
+    for i, (_, start, end) in enumerate(p.placement):
+        full = per_completion[i] + comps[i]
+        alone = np.asarray(lm(jnp.asarray([full[:-1]], jnp.int32)))[0]
+        np.testing.assert_allclose(base[start:end], alone[-len(comps[i]) :], rtol=1e-5, atol=1e-5)
+    _, start, end = p.placement[1]
+    changed = p.input_ids[0].copy()
+    changed[start + 1 : end] = (changed[start + 1 : end] + 1) % cfg.vocab_size
+    other = logits(changed)
+    keep = p.attention_mask[0] == 1  # padding queries attend nowhere: their values are unread
+    keep[start:end] = False
+    np.testing.assert_array_equal(other[keep], base[keep])
+    assert np.abs(other[start + 1 : end] - base[start + 1 : end]).max() > 1e-3
+
+
+def test_shared_prompts_refuse_what_they_cannot_pack():
+    with pytest.raises(ValueError, match="do not all continue one prompt"):
+        rollout.pack([[1, 2], [1, 3]], [[5], [6]], pad_id=0, segments=True, share_prompts=2)
+    with pytest.raises(ValueError, match="not groups of share_prompts=2"):
+        rollout.pack([[1, 2]] * 3, [[5]] * 3, pad_id=0, segments=True, share_prompts=2)
+    with pytest.raises(ValueError, match="needs the packed layout"):
+        rollout.pack([[1, 2]] * 2, [[5]] * 2, pad_id=0, share_prompts=2)
+    with pytest.raises(
+        ValueError, match="a group sharing its prompt of 8 tokens does not fit length T=6"
+    ):
+        rollout.pack(
+            [[1, 2]] * 2, [[5] * 3] * 2, pad_id=0, segments=True, share_prompts=2, length=6
+        )
+    ids = np.zeros((2, 4), np.int32)
+    base = dict(input_ids=ids, attention_mask=ids, labels=ids, loss_mask=ids)
+    with pytest.raises(batch_lib.BatchError, match="prompt_group_ids .* need batch.segment_ids"):
+        batch_lib.validate_batch(
+            batch_lib.Batch(**base, prompt_group_ids=ids), batch_lib.BatchSpec()
+        )
 
 
 def test_pack_layout_and_row_buckets():
