@@ -304,7 +304,10 @@ class RLSection:
     attends to it (``rollout.pack``, ``model.qwen2``): the update and the log-prob passes
     compute a prompt's positions once per group instead of once per rollout, with the same
     log-probs, loss and gradient (float summation order aside). A block is at most
-    ``max_tokens_per_row`` positions (default: its length bucket), so rows hold whole groups.
+    ``max_tokens_per_row`` positions (default: its length bucket), so rows hold whole groups and
+    are as long as a prompt plus ``group_size`` completions; attention is dense within a row, so
+    it pays where prompts are a large share of a rollout (the demo: 60 %), while with long
+    completions the longer rows' attention can cost more than the prompt copies it saves.
 
     ``max_tokens_per_microbatch`` (packing only): a token budget instead of a fixed
     ``microbatches``. Each step then takes the fewest microbatches (from the buckets 1, 2, 3, 4,
