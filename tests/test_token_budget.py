@@ -130,17 +130,24 @@ BUDGET_RUN = [
 
 
 @pytest.mark.slow
-def test_a_budgeted_run_equals_one_microbatch(tmp_path):
+@pytest.mark.parametrize(
+    "share_prompts, budget",
+    [
+        (False, 128),  # rows of rollouts: 2 rows of 64 per microbatch
+        (True, 64),  # rows of whole groups (a prompt and its 4 completions): 1 row of 64
+    ],
+)
+def test_a_budgeted_run_equals_one_microbatch(tmp_path, share_prompts, budget):
     ref_dir, run_dir = tmp_path / "one", tmp_path / "budget"
-    _jaxrlvr("train", *BUDGET_RUN, f"run.out_dir={ref_dir}", "rl.microbatches=1")
-    # 128 positions: 2 rows of 64 per microbatch.
-    _jaxrlvr("train", *BUDGET_RUN, f"run.out_dir={run_dir}", "rl.max_tokens_per_microbatch=128")
+    run = [*BUDGET_RUN, f"rl.share_prompts={str(share_prompts).lower()}"]
+    _jaxrlvr("train", *run, f"run.out_dir={ref_dir}", "rl.microbatches=1")
+    _jaxrlvr("train", *run, f"run.out_dir={run_dir}", f"rl.max_tokens_per_microbatch={budget}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in lines if "policy_loss" in x]
     assert len(rl) == 3
     for line in rl:
         rows, n = line["tokens/batch_shape_B"], line["tokens/microbatches"]
-        assert n > 1 and rows % n == 0 and rows // n * line["tokens/batch_shape_T"] <= 128
+        assert n > 1 and rows % n == 0 and rows // n * line["tokens/batch_shape_T"] <= budget
     ref_lines = [json.loads(x) for x in (ref_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["tokens/microbatches"] for x in ref_lines if "policy_loss" in x] == [1, 1, 1]
     # Not a vacuous comparison: the RL steps moved the parameters.
@@ -173,6 +180,7 @@ def test_budget_on_eight_batch_shards_runs_the_record_of_its_count(tmp_path):
                 "rl.steps=2",
                 "rl.epochs_per_step=2",
                 "rl.max_tokens_per_row=32",  # about one rollout per row: 16 rows
+                "rl.share_prompts=false",
                 "rl.loss.entropy_coef=0.01",
                 "optim.learning_rate=1e-2",
                 "optim.warmup_steps=0",
