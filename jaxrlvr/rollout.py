@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -223,19 +224,28 @@ def pack(
     )
 
 
+class _Span(NamedTuple):
+    """One sequence's positions in a packed row: completion ``index``'s input and label ids, the
+    offset of its first completion label in the span, and the span's first position id."""
+
+    index: int
+    input_ids: list[int]
+    labels: list[int]
+    first_label: int
+    first_position: int
+
+
 @dataclasses.dataclass
 class _Item:
     """What first-fit decreasing places as one block of a packed row: one sequence, or a group
     of completions after one shared copy of their prompt (``share_prompts``)."""
 
     prefix: list[int]  # a group's shared prompt, all but its last token (segment 0)
-    # Per sequence: (completion index, input ids, label ids, offset of its first completion
-    # label in the span, first position id).
-    spans: list[tuple[int, list[int], list[int], int, int]]
+    spans: list[_Span]
 
     @property
     def size(self) -> int:
-        return len(self.prefix) + sum(len(ids) for _, ids, _, _, _ in self.spans)
+        return len(self.prefix) + sum(len(span.input_ids) for span in self.spans)
 
 
 def _sequence_items(prompts, completions) -> list[_Item]:
@@ -245,7 +255,7 @@ def _sequence_items(prompts, completions) -> list[_Item]:
         full = list(p) + list(c)
         if len(full) < 2:
             continue
-        items.append(_Item([], [(i, full[:-1], full[1:], len(p) - 1, 0)]))
+        items.append(_Item([], [_Span(i, full[:-1], full[1:], len(p) - 1, 0)]))
     return items
 
 
@@ -268,7 +278,7 @@ def _group_items(prompts, completions, group_size: int) -> list[_Item]:
                 "do not all continue one prompt"
             )
         spans = [
-            (i, [p[-1]] + list(completions[i][:-1]), list(completions[i]), 0, len(p) - 1)
+            _Span(i, [p[-1]] + list(completions[i][:-1]), list(completions[i]), 0, len(p) - 1)
             for i in range(g, g + group_size)
             if len(completions[i])
         ]
