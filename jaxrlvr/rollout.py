@@ -16,7 +16,7 @@ and the number of microbatches are both chosen from such buckets. Per-sequence f
 (advantages, rewards, correct) become per token in the packed layout (``PackedBatch.per_token``).
 Shared prompts (``pack(share_prompts=G)``, the driver's ``rl.share_prompts``): the G completions
 of a prompt are packed as one block, the prompt once and each completion after it in a segment
-of its own that attends to it (``prompt_group_ids``, ``model.qwen2``): a GRPO group costs its
+of its own that attends to it (``prompt_group_ids``, ``model.decoder``): a GRPO group costs its
 prompt's positions once instead of G times, with the same log-probs, loss and gradient.
 
 Left out: sampling itself (``sampling/``), the loss math (``algos/``).

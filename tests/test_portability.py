@@ -343,11 +343,11 @@ def _decode(graphdef, params, token_ids, attention_mask, position_ids, cache, ca
 
 
 def _cache_shardings(cache: M.KVCache, mesh) -> M.KVCache:
-    from jaxrlvr.model import qwen2
+    from jaxrlvr.model import decoder
 
     return M.KVCache(
-        k=tuple(M.logical_sharding(qwen2.CACHE_K_AXES, x.shape, mesh) for x in cache.k),
-        v=tuple(M.logical_sharding(qwen2.CACHE_V_AXES, x.shape, mesh) for x in cache.v),
+        k=tuple(M.logical_sharding(decoder.CACHE_K_AXES, x.shape, mesh) for x in cache.k),
+        v=tuple(M.logical_sharding(decoder.CACHE_V_AXES, x.shape, mesh) for x in cache.v),
     )
 
 

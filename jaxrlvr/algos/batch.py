@@ -15,7 +15,7 @@ rollouts in one row; both or neither are given, and every update accepts them. P
 fields (``advantages``, ``rewards``, ``correct``) are then per token, [B, T]: each token holds
 its sequence's value. Without segment ids they may be [B] (one sequence per row) or [B, T].
 Shared prompts (``rollout.pack(share_prompts=...)``): ``prompt_group_ids`` [B, T] int32 as well
-(``model.qwen2``): a group's prompt is laid out once, in segment 0 (no loss, no sequence), and
+(``model.decoder``): a group's prompt is laid out once, in segment 0 (no loss, no sequence), and
 its completions' segments attend to it.
 
 Not here: building batches from rollouts (the driver) and length bucketing.

@@ -18,7 +18,7 @@ Per-sequence values (advantages, rewards, correctness) of a packed batch are sto
 read anyway (a per-token advantage broadcasts like PPO's), it needs no static bound on the
 number of segments per row, and microbatches that split rows keep every segment whole.
 
-Not here: building packed rows (``rollout.pack``), the attention mask (``model.qwen2``).
+Not here: building packed rows (``rollout.pack``), the attention mask (``model.decoder``).
 """
 
 import jax

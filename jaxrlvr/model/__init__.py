@@ -7,7 +7,7 @@ model.save_hf(lm, "/tmp/out")                    # transformers / vLLM load this
 """
 
 from jaxrlvr.model.config import ConfigError, ModelConfig, dtype_name
-from jaxrlvr.model.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
+from jaxrlvr.model.decoder import CausalLM, KVCache, Qwen2ForCausalLM, init_cache
 from jaxrlvr.model.sharding import (
     LOGICAL_RULES,
     MeshConfig,
@@ -36,6 +36,7 @@ __all__ = [
     "KVCache",
     "MeshConfig",
     "ModelConfig",
+    "CausalLM",
     "Qwen2ForCausalLM",
     "batch_sharding",
     "dtype_name",

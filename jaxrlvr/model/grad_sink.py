@@ -10,7 +10,7 @@ layer's (one chunk's) gradient exists at a time.
 
 How it is used (``algos.engine.accumulate_gradients``): inside the differentiated loss,
 ``with sink(params, acc):`` offers every parameter leaf's accumulator. The model ``claim``s the
-accumulators of the arrays it reads inside a loop: the stacked layers (``qwen2._run_layers``,
+accumulators of the arrays it reads inside a loop: the stacked layers (``decoder._run_layers``,
 scanned and rematerialised) and the head weight (``logprobs.logprobs_from_hidden``, chunked).
 The gradient JAX then returns for a claimed leaf is ``acc + grad`` (already accumulated), for
 every other leaf the plain ``grad``; the set ``sink`` yields tells the caller which is which.

@@ -8,7 +8,7 @@ The adapters are applied in the forward pass, never merged per step: the product
 costs ``2 r (in + out)`` FLOPs per token next to the kernel's ``2 in out``.
 
 Where the adapters live: ``A`` and ``B`` are ``LoRAParam`` variables (an ``nnx.Param`` subtype)
-beside each targeted ``kernel`` in ``qwen2.Projection``, stacked over layers like the kernel and
+beside each targeted ``kernel`` in ``decoder.Projection``, stacked over layers like the kernel and
 carrying the kernel's logical axes (rank axis replicated), always float32 whatever the base's
 storage dtype. So ``nnx.split(model, nnx.Param)`` (the train state's ``params``, every sampler's
 weights, checkpoints) holds base and adapters together, and any code that runs the model runs

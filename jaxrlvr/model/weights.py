@@ -35,8 +35,8 @@ from safetensors.numpy import save_file
 from jaxrlvr.model import lora as lora_lib
 from jaxrlvr.model import sharding
 from jaxrlvr.model.config import ConfigError, DTypeLike, ModelConfig, dtype_name
+from jaxrlvr.model.decoder import CausalLM
 from jaxrlvr.model.lora import LoRAConfig
-from jaxrlvr.model.qwen2 import Qwen2ForCausalLM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -312,8 +312,8 @@ def load_hf(
     scan_layers: bool = True,
     lora: LoRAConfig | None = None,
     lora_seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """Loads a Hugging Face Qwen2 checkpoint directory into a ``Qwen2ForCausalLM``.
+) -> CausalLM:
+    """Loads a Hugging Face Qwen2 checkpoint directory into a ``CausalLM``.
 
     Args:
       path: directory with config.json and model.safetensors (or an index and its shards).
@@ -353,7 +353,7 @@ def load_hf(
     files = _weight_files(path, handles)
     _validate(cfg, files, handles)
 
-    abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, abstract_params = nnx.split(abstract)
     if mesh is None:
         device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -398,9 +398,7 @@ def init_adapters(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> nnx.State:
 
     @jax.jit
     def create():
-        model = Qwen2ForCausalLM(
-            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
-        )
+        model = CausalLM(cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh)
         state = nnx.state(model, lora_lib.LoRAParam)
         if mesh is None:
             return state
@@ -570,7 +568,7 @@ def save_hf_params(
 
 
 def save_hf(
-    model: Qwen2ForCausalLM,
+    model: CausalLM,
     path: str | os.PathLike,
     *,
     tokenizer_src=None,
@@ -594,7 +592,7 @@ def save_hf(
     return os.fspath(path)
 
 
-def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalLM:
+def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> CausalLM:
     """A randomly initialised model; with a mesh, created directly with its shardings.
 
     Creation runs as one jitted program (``init_state_fn``): eager construction would compile a
@@ -603,9 +601,7 @@ def init_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Qwen2ForCausalL
     construction).
     """
     abstract = nnx.eval_shape(
-        lambda: Qwen2ForCausalLM(
-            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
-        )
+        lambda: CausalLM(cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh)
     )
     graphdef, _ = nnx.split(abstract)
     return nnx.merge(graphdef, init_state_fn(cfg, seed=seed, mesh=mesh)())
@@ -617,9 +613,7 @@ def init_state_fn(cfg: ModelConfig, *, seed: int = 0, mesh=None):
 
     @jax.jit
     def create():
-        model = Qwen2ForCausalLM(
-            cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh
-        )
+        model = CausalLM(cfg, rngs=nnx.Rngs(seed, lora=lora_lib.stream_seed(seed)), mesh=mesh)
         state = nnx.state(model)
         if mesh is None:
             return state

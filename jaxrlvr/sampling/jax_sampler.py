@@ -4,10 +4,10 @@ One `generate` call is one compiled program:
 
 1. The B * n rows (prompt-major: prompt 0's n samples first) are LEFT-padded to a prompt-length
    bucket P with explicit position ids, so every row writes the same cache slot at each step.
-2. Prefill of all P slots at once into the model's KV cache (``qwen2.init_cache``) of P + G
+2. Prefill of all P slots at once into the model's KV cache (``decoder.init_cache``) of P + G
    slots (G the generation bucket); only the last position goes through the vocabulary projection.
 3. A ``lax.while_loop`` of one-token decode steps, each a call of the model itself with the cache
-   (the same decoder-layer function as training and prefill, `qwen2.Qwen2ForCausalLM`). It stops
+   (the same decoder-layer function as training and prefill, `decoder.CausalLM`). It stops
    as soon as every row has finished (EOS / stop id) or reached ``max_tokens``. Each step writes
    one cache slot; the valid-slot mask never changes because the model's causal mask (by slot
    index) already hides the slots not yet written.

@@ -173,14 +173,14 @@ def test_separate_projection_path_matches_transformers(hf_untied, monkeypatch):
     # the kv heads the layer uses three matmuls instead. Both paths must give HF's logits.
     import jax
 
-    from jaxrlvr.model import qwen2
+    from jaxrlvr.model import decoder
 
     lm = M.load_hf(hf_untied.path)
     ids = helpers.random_ids(B, T, seed=9)
     ref = helpers.torch_logits(hf_untied.torch_model, ids)
-    assert qwen2._fuse_qkv(None, lm.config)
+    assert decoder._fuse_qkv(None, lm.config)
     jax.clear_caches()  # the layer stack is jitted per config; recompile with the patch
-    monkeypatch.setattr(qwen2, "_fuse_qkv", lambda mesh, cfg: False)
+    monkeypatch.setattr(decoder, "_fuse_qkv", lambda mesh, cfg: False)
     try:
         np.testing.assert_allclose(helpers.forward(lm, ids), ref, atol=F32_ATOL, rtol=0)
     finally:

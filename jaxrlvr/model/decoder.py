@@ -478,8 +478,10 @@ def _run_layers(
     return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out))
 
 
-class Qwen2ForCausalLM(nnx.Module):
-    """Qwen2 causal LM. ``model(input_ids, attention_mask, position_ids)`` -> logits [B, T, V].
+class CausalLM(nnx.Module):
+    """The causal LM of every supported family.
+
+    ``model(input_ids, attention_mask, position_ids)`` -> logits [B, T, V].
 
     With ``cache`` (a ``KVCache`` of S slots, ``init_cache``) and ``cache_index``, the T new tokens
     are written at slots [cache_index, cache_index + T) and attend to slots ``s <= cache_index + t``
@@ -629,3 +631,7 @@ class Qwen2ForCausalLM(nnx.Module):
         )
         logits = self.lm_logits(hidden)
         return logits if cache is None else (logits, new_cache)
+
+
+# The name the package used before Qwen3: kept so that code written against it keeps working.
+Qwen2ForCausalLM = CausalLM
