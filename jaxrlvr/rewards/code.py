@@ -72,27 +72,18 @@ class CodeTask:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CodeRewardConfig:
-    """``reward.code``: how a code response is scored, and the sandbox's limits.
+class CodeRewardConfig(sandbox_lib.SandboxLimits):
+    """``reward.code``: how a code response is scored, and the sandbox's limits (the fields of
+    ``sandbox.SandboxLimits``, written there once: ``reward.code.memory_mb`` and the rest).
 
     Attributes:
       mode: ``fraction`` (answer_reward = tests passed / tests) or ``all_pass``.
       extract: ``block`` (the last closed ``<answer>`` block or fenced code block; none found
         scores 0) or ``raw`` (the whole response is code, as in HumanEval-style continuations).
-      test_timeout_s, program_timeout_s, cpu_s, memory_mb, max_processes, max_open_files,
-        max_file_mb, tmp_mb: the sandbox's limits (``sandbox.SandboxConfig``).
     """
 
     mode: CodeMode = "fraction"
     extract: Extract = "block"
-    test_timeout_s: float = 1.0
-    program_timeout_s: float = 5.0
-    cpu_s: float | None = None
-    memory_mb: int = 512
-    max_processes: int = 16
-    max_open_files: int = 64
-    max_file_mb: int = 8
-    tmp_mb: int = 32
 
     def __post_init__(self):
         if self.mode not in get_args(CodeMode):
@@ -103,20 +94,11 @@ class CodeRewardConfig:
             raise ValueError(
                 f"reward.code.extract must be one of {get_args(Extract)}, got {self.extract!r}"
             )
-        self.sandbox("bwrap")  # validates the limits
+        super().__post_init__()  # the limits
 
     def sandbox(self, kind: sandbox_lib.SandboxKind) -> sandbox_lib.SandboxConfig:
-        return sandbox_lib.SandboxConfig(
-            kind=kind,
-            test_timeout_s=self.test_timeout_s,
-            program_timeout_s=self.program_timeout_s,
-            cpu_s=self.cpu_s,
-            memory_mb=self.memory_mb,
-            max_processes=self.max_processes,
-            max_open_files=self.max_open_files,
-            max_file_mb=self.max_file_mb,
-            tmp_mb=self.tmp_mb,
-        )
+        """The ``SandboxConfig`` of these limits and the mechanism ``kind``."""
+        return sandbox_lib.SandboxConfig(kind=kind, **self.limit_values())
 
 
 def extract_code(response: str, extract: Extract = "block") -> str | None:

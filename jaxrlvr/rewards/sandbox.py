@@ -32,6 +32,7 @@ tmpfs size bound memory instead).
 
 from __future__ import annotations
 
+import ast
 import atexit
 import dataclasses
 import json
@@ -39,9 +40,11 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Literal, get_args
@@ -70,11 +73,12 @@ def _positive(name: str, value: float) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SandboxConfig:
-    """Isolation mechanism and limits for one program (all tests of one response).
+class SandboxLimits:
+    """The limits of one program (all tests of one response) and of the sandbox around it,
+    written once: ``SandboxConfig`` and ``code.CodeRewardConfig`` (``reward.code.*``) both
+    extend this record.
 
     Attributes:
-      kind: ``bwrap`` (bubblewrap; the default) or ``none`` (no namespaces; warns).
       test_timeout_s: wall-clock limit for one test.
       program_timeout_s: wall-clock limit for the program and all its tests.
       cpu_s: CPU-time limit (``RLIMIT_CPU``; None: ``program_timeout_s``).
@@ -82,12 +86,16 @@ class SandboxConfig:
       max_processes: process limit (``RLIMIT_NPROC``) of the program's uid.
       max_open_files: ``RLIMIT_NOFILE``.
       max_file_mb: largest file a program may write (``RLIMIT_FSIZE``).
-      tmp_mb: size of the sandbox's private tmpfs (bwrap only).
-      python: interpreter to run programs with (None: this interpreter's base installation,
-        run with ``-I -S``: standard library only).
+      tmp_mb: size of the sandbox's private tmpfs at ``/tmp`` (bwrap only).
+      shared_mb: memory outside the address space a program may hold: the size of the
+        sandbox's ``/dev/shm`` tmpfs, and the System V shared memory and message queues the
+        harness's watchdog allows (bwrap only).
+      max_files: files and directories (inodes) a program may hold in the sandbox's tmpfs
+        mounts, enforced by the watchdog (bwrap only).
+      total_memory_mb: the memory cgroup's limit for the whole sandbox, where a memory cgroup
+        can be had (None: ``memory_mb + tmp_mb + 2 * shared_mb + 128``).
     """
 
-    kind: SandboxKind = "bwrap"
     test_timeout_s: float = 1.0
     program_timeout_s: float = 5.0
     cpu_s: float | None = None
@@ -96,23 +104,30 @@ class SandboxConfig:
     max_open_files: int = 64
     max_file_mb: int = 8
     tmp_mb: int = 32
-    python: str | None = None
+    shared_mb: int = 32
+    max_files: int = 10_000
+    total_memory_mb: int | None = None
 
     def __post_init__(self):
-        if self.kind not in get_args(SandboxKind):
-            raise ValueError(
-                f"reward.sandbox must be one of {get_args(SandboxKind)}, got {self.kind!r}"
-            )
         for name in ("test_timeout_s", "program_timeout_s", "memory_mb", "max_processes"):
             _positive(name, getattr(self, name))
-        for name in ("max_open_files", "max_file_mb", "tmp_mb"):
+        for name in ("max_open_files", "max_file_mb", "tmp_mb", "shared_mb", "max_files"):
             _positive(name, getattr(self, name))
-        if self.cpu_s is not None:
-            _positive("cpu_s", self.cpu_s)
+        for name in ("cpu_s", "total_memory_mb"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         if self.max_open_files < 8:
             raise ValueError("reward.code.max_open_files must be >= 8 (Python needs a few)")
 
+    @property
+    def sandbox_memory_mb(self) -> int:
+        """The memory cgroup's limit (``total_memory_mb`` or its default)."""
+        if self.total_memory_mb is not None:
+            return self.total_memory_mb
+        return self.memory_mb + self.tmp_mb + 2 * self.shared_mb + 128
+
     def limits(self) -> dict:
+        """What the harness enforces per program."""
         return {
             "test_timeout_s": self.test_timeout_s,
             "program_timeout_s": self.program_timeout_s,
@@ -121,7 +136,34 @@ class SandboxConfig:
             "max_processes": self.max_processes,
             "max_open_files": self.max_open_files,
             "max_file_mb": self.max_file_mb,
+            "shared_mb": self.shared_mb,
+            "max_files": self.max_files,
         }
+
+    def limit_values(self) -> dict:
+        """This record's own fields (to build the other record that extends it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SandboxLimits)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxConfig(SandboxLimits):
+    """Isolation mechanism and limits (``SandboxLimits``) for one program.
+
+    Attributes:
+      kind: ``bwrap`` (bubblewrap; the default) or ``none`` (no namespaces; warns).
+      python: interpreter to run programs with (None: this interpreter's base installation,
+        run with ``-I -S``: standard library only).
+    """
+
+    kind: SandboxKind = "bwrap"
+    python: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in get_args(SandboxKind):
+            raise ValueError(
+                f"reward.sandbox must be one of {get_args(SandboxKind)}, got {self.kind!r}"
+            )
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +173,16 @@ class RunResult:
     Attributes:
       passed: one bool per test, in order.
       status: ``done`` (ran to the end), ``timeout``, ``program_error`` (the program itself
-        raised or did not compile), ``report_too_large``, ``sandbox_error`` (the sandbox died or
+        raised or did not compile), ``limit_exceeded`` (shared memory or files past
+        ``shared_mb`` / ``max_files``), ``report_too_large``, ``sandbox_error`` (the sandbox died or
         answered nothing; it is restarted on the next call) or ``harness_error``.
       seconds: wall-clock time of the program inside the harness.
       leftover_processes: processes the program left behind before the sweep killed them.
       output: what the program printed (stdout and stderr, at most ``capture`` bytes) when ``run``
         was asked to capture it; "" otherwise.
+      clean: whether the sandbox was back to its starting state after the program (when not,
+        it is replaced before the next one: ``Sandbox.restarts``).
+      check_seconds: the harness's clean-up and clean-state checks after the program.
     """
 
     passed: tuple[bool, ...]
@@ -144,6 +190,8 @@ class RunResult:
     seconds: float
     leftover_processes: int = 0
     output: str = ""
+    clean: bool = True
+    check_seconds: float = 0.0
 
     @property
     def fraction(self) -> float:
@@ -193,7 +241,9 @@ def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
             cmd += ["--perms", "0755", "--dir", parent]
         cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--ro-bind", HARNESS_PATH, _HARNESS_IN_SANDBOX]
-    cmd += ["--dev", "/dev", "--proc", "/proc"]
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--mqueue", "/dev/mqueue"]
+    # /dev/shm (POSIX shared memory) on a size-limited tmpfs of its own, not bwrap's /dev.
+    cmd += ["--size", str(cfg.shared_mb << 20), "--perms", "1777", "--tmpfs", "/dev/shm"]
     cmd += ["--size", str(cfg.tmp_mb << 20), "--perms", "0711", "--tmpfs", "/tmp"]
     cmd += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
     cmd += [python, "-I", "-S", "-B", _HARNESS_IN_SANDBOX, "--sweep"]
@@ -202,27 +252,172 @@ def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
     return cmd
 
 
-def _uid_base() -> int:
-    # 100 uids per sandbox, from 200,000 up, by this process's pid: concurrent sandboxes (one per
-    # grading worker) do not share a uid, so they never share a process count.
-    return 200_000 + (os.getpid() % 50_000) * 100
+_UID_SLOTS = 64  # sandboxes one process may hold at once
+_uid_slots_used: set[int] = set()
+_uid_lock = threading.Lock()
+
+
+def _take_uid_slot() -> int:
+    with _uid_lock:
+        free = [i for i in range(_UID_SLOTS) if i not in _uid_slots_used]
+        if not free:
+            raise SandboxUnavailable(f"one process holds at most {_UID_SLOTS} sandboxes at once")
+        _uid_slots_used.add(free[0])
+        return free[0]
+
+
+def _release_uid_slot(slot: int) -> None:
+    with _uid_lock:
+        _uid_slots_used.discard(slot)
+
+
+def uid_base(pid: int, slot: int) -> int:
+    """The first of the 100 uids of the sandbox in ``slot`` of process ``pid``: from 200,000 up,
+    distinct across the processes of one machine (pids below 500,000) and the sandboxes of one
+    process, so no two sandboxes share a uid and with it a process count."""
+    return 200_000 + ((pid % 500_000) * _UID_SLOTS + slot) * 100
+
+
+def check_unsandboxed_python(python: str) -> None:
+    """``reward.sandbox: none`` as root runs programs as uids of their own. The harness opens
+    the import path's directories before the switch (so a 0700 home above the interpreter does
+    not matter), but the directories themselves must be readable by any uid: raises
+    ``SandboxUnavailable`` naming the one that is not."""
+    import sysconfig
+
+    if python != base_python():
+        return  # another interpreter's layout is its own; it fails its first program if closed
+    paths = sysconfig.get_paths()
+    for path in (
+        paths["stdlib"],
+        paths["platstdlib"],
+        os.path.join(paths["stdlib"], "lib-dynload"),
+    ):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if mode & 0o005 != 0o005:
+            raise SandboxUnavailable(
+                f"reward.sandbox=none as root runs programs as unprivileged uids, which cannot "
+                f"read the standard library directory {path} ({stat.S_IMODE(mode):04o}); use "
+                "reward.sandbox=bwrap or an interpreter whose library others may read"
+            )
+
+
+class MemoryCgroup:
+    """A memory cgroup for one sandbox (its limit covers the harness, the programs, their
+    tmpfs files and shared memory), where this process may create one: cgroup v2 with the
+    memory controller delegated to this process's cgroup, or a writable cgroup v1 memory
+    hierarchy (root). ``create`` returns None where neither is there."""
+
+    def __init__(self, path: str, version: int):
+        self.path = path
+        self.version = version
+
+    @staticmethod
+    def _own_dirs() -> list[tuple[str, int]]:
+        dirs = []
+        try:
+            with open("/proc/self/cgroup") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return dirs
+        for line in lines:
+            _, controllers, rel = line.split(":", 2)
+            rel = rel.lstrip("/")
+            if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+                dirs.append((os.path.join("/sys/fs/cgroup", rel), 2))
+            elif "memory" in controllers.split(","):
+                dirs.append((os.path.join("/sys/fs/cgroup/memory", rel), 1))
+        return dirs
+
+    @classmethod
+    def create(cls, name: str, limit_mb: int) -> MemoryCgroup | None:
+        for parent, version in cls._own_dirs():
+            try:
+                if version == 2:
+                    with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                        if "memory" not in f.read().split():
+                            continue
+                path = os.path.join(parent, name)
+                os.mkdir(path)
+            except OSError:
+                continue
+            group = cls(path, version)
+            try:
+                if version == 2:
+                    group._write("memory.max", limit_mb << 20)
+                    group._write("memory.swap.max", 0, optional=True)
+                else:
+                    group._write("memory.limit_in_bytes", limit_mb << 20)
+                    group._write("memory.memsw.limit_in_bytes", limit_mb << 20, optional=True)
+            except OSError:
+                group.remove()
+                continue
+            return group
+        return None
+
+    def _write(self, name: str, value: int, optional: bool = False) -> None:
+        try:
+            with open(os.path.join(self.path, name), "w") as f:
+                f.write(str(value))
+        except OSError:
+            if not optional:
+                raise
+
+    @property
+    def procs(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    def usage_bytes(self) -> int:
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        with open(os.path.join(self.path, name)) as f:
+            return int(f.read())
+
+    def remove(self) -> None:
+        for _ in range(100):  # the last processes may still be exiting
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)
 
 
 class Sandbox:
     """One warm sandboxed harness; ``run`` grades one program at a time (not thread-safe).
 
-    Raises ``SandboxUnavailable`` at construction when bwrap is missing or does not start.
+    Raises ``SandboxUnavailable`` at construction when bwrap is missing or does not start, or
+    (``kind="none"`` as root) when the programs' uids cannot read the interpreter.
+
+    Attributes:
+      starts: how many times the harness was started (the first start included).
+      restarts: how many times it was replaced because a program left it unclean.
+      last_dirty: what the last unclean program left ("" when none did).
+      memory_cgroup: the sandbox's ``MemoryCgroup`` (None where none can be had).
     """
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
         self.python = cfg.python or base_python()
+        if cfg.kind == "none" and os.geteuid() == 0:
+            check_unsandboxed_python(self.python)
         self.starts = 0
-        self.uid_base = _uid_base()  # programs run as uids uid_base .. uid_base + 99 (as root)
+        self.restarts = 0
+        self.last_dirty = ""
+        self._slot = _take_uid_slot()
+        self.uid_base = uid_base(os.getpid(), self._slot)  # programs' uids (as root): +0..99
+        self.memory_cgroup: MemoryCgroup | None = None
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._workdir: str | None = None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self) -> None:
         cfg = self.cfg
@@ -236,12 +431,19 @@ class Sandbox:
                 file=sys.stderr,
                 flush=True,
             )
-            self._workdir = tempfile.mkdtemp(prefix="jaxrlvr-code-")
-            os.chmod(self._workdir, 0o711)
+            if self._workdir is None:
+                self._workdir = tempfile.mkdtemp(prefix="jaxrlvr-code-")
+                os.chmod(self._workdir, 0o711)
             env["JAXRLVR_SANDBOX_WORK"] = self._workdir
             cmd = [self.python, "-I", "-S", "-B", HARNESS_PATH]
             if os.geteuid() == 0:
                 cmd += ["--uid-base", str(self.uid_base)]
+        if self.memory_cgroup is None:
+            name = f"jaxrlvr-sandbox-{os.getpid()}-{self._slot}"
+            self.memory_cgroup = MemoryCgroup.create(name, cfg.sandbox_memory_mb)
+        if self.memory_cgroup is not None:
+            # Joins the cgroup before exec, so that everything the sandbox starts is inside it.
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.memory_cgroup.procs, *cmd]
         self._proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -314,15 +516,21 @@ class Sandbox:
         self, program: str, tests: Sequence[dict] = (), setup: str = "", *, capture: int = 0
     ) -> RunResult:
         """Run ``program`` (then ``setup``) and each test; see ``sandbox_harness`` for the test
-        dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests). ``capture``
-        > 0: keep the first that many bytes the program prints (``RunResult.output``)."""
+        dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests). A value
+        test's ``expected`` (a Python literal) stays in this process: the sandbox gets only
+        ``expr`` and sends back the value, which is compared here. ``capture`` > 0: keep the
+        first that many bytes the program prints (``RunResult.output``)."""
         if self._proc is None or self._proc.poll() is not None:
             self._kill()
             self._start()
+        expected = {}
+        for i, test in enumerate(tests):
+            if "expr" in test:
+                expected[i] = ast.literal_eval(test["expected"])
         request = {
             "program": program,
             "setup": setup,
-            "tests": list(tests),
+            "tests": [{k: v for k, v in t.items() if k != "expected"} for t in tests],
             "limits": self.cfg.limits(),
         }
         if capture:
@@ -332,22 +540,33 @@ class Sandbox:
             self._proc.stdin.flush()
         except OSError:
             self._kill()
-            return RunResult((False,) * len(tests), "sandbox_error", 0.0)
-        # The harness enforces the program's limit itself; the margin covers its sweep.
-        reply = self._read_line(time.monotonic() + self.cfg.program_timeout_s + 5.0)
+            return RunResult((False,) * len(tests), "sandbox_error", 0.0, clean=False)
+        # The harness enforces the program's limit itself; the margin covers its clean-up.
+        reply = self._read_line(time.monotonic() + self.cfg.program_timeout_s + 10.0)
         if reply is None or not isinstance(reply.get("passed"), list):
             self._kill()
-            return RunResult((False,) * len(tests), "sandbox_error", 0.0)
-        passed = tuple(bool(p) for p in reply["passed"])
-        if len(passed) != len(tests):
-            passed = (False,) * len(tests)
+            return RunResult((False,) * len(tests), "sandbox_error", 0.0, clean=False)
+        clean = reply.get("clean") is True
+        if not clean:  # replaced before the next program: a fresh tmpfs, IPC and pid namespace
+            self.last_dirty = str(reply.get("dirty", "unknown"))
+            self.restarts += 1
+            self._kill()
+        passed = [bool(p) for p in reply["passed"]]
+        values = reply.get("values")
+        if len(passed) != len(tests) or not isinstance(values, list) or len(values) != len(tests):
+            passed = [False] * len(tests)
+        else:
+            for i, want in expected.items():
+                passed[i] = _value_matches(values[i], want)
         output = reply.get("output", "")
         return RunResult(
-            passed,
+            tuple(passed),
             str(reply.get("status")),
             float(reply.get("seconds", 0.0)),
             reply.get("left", 0),
             output if isinstance(output, str) else "",
+            clean,
+            float(reply.get("check_s", 0.0)),
         )
 
     def close(self) -> None:
@@ -355,12 +574,29 @@ class Sandbox:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+        if self.memory_cgroup is not None:
+            self.memory_cgroup.remove()
+            self.memory_cgroup = None
+        if self._slot is not None:
+            _release_uid_slot(self._slot)
+            self._slot = None
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _value_matches(value_repr, expected) -> bool:
+    """Whether a value test's returned ``repr`` (exact built-in types, from the sandbox) equals
+    the expected literal; compared here, outside the program's reach."""
+    if not isinstance(value_repr, str):
+        return False
+    try:
+        return bool(ast.literal_eval(value_repr) == expected)
+    except Exception:  # malformed, too deep (RecursionError), ...
+        return False
 
 
 _SHARED: dict[SandboxConfig, Sandbox] = {}
