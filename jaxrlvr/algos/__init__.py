@@ -15,6 +15,8 @@ The loss math, pure over arrays:
   gae             PPO per-token rewards, GAE and the clipped value loss
   shaping         Kimi k1.5 length reward, DAPO overlong penalty, truncated-completion masking
   segments        packed rows: per-sequence sums and counts over segment ids
+  distill         on-policy distillation: the reverse-KL per-token advantage and the
+                  generalised JSD (full vocabulary or the teacher's top-k)
 
 The training machinery:
   batch           Batch (the update's input), BatchSpec, validate_batch

@@ -1,0 +1,339 @@
+"""On-policy distillation: the per-token signal a teacher gives on the student's own samples.
+
+Two signals, both on completions the student sampled itself (on-policy: Agarwal et al. 2024,
+"On-Policy Distillation of Language Models", GKD):
+
+1. Reverse KL as a per-token advantage (Thinking Machines' on-policy distillation, tinker-cookbook
+   ``distillation/train_on_policy.py``; TRL's DistillationTrainer at beta 1 on sampled tokens)::
+
+       A_t = -kl_coef * (log pi_student(y_t) - log pi_teacher(y_t)) + reward_coef * A_reward
+
+   on the student's sampled token y_t, with discount 0 (each token's advantage is its own term,
+   no return over later tokens), no value model and no group baseline. It enters the ordinary
+   policy-gradient objective (``policy_loss.policy_loss``, every option of
+   ``PolicyLossConfig``) as a per-token advantage. Its expected gradient at one position is the
+   reverse KL's: with y ~ pi and q the teacher,
+
+       E_y[-A(y) grad log pi(y)] = sum_y pi(y) (log pi(y) - log q(y)) grad log pi(y)
+                                 = grad KL(pi || q)
+
+   (the exact gradient's extra term sum_y pi(y) grad log pi(y) is 0). The student log-prob in
+   A carries no gradient: the trainer's ``old_logp`` when the batch has it, otherwise the
+   current log-prob behind a stop-gradient. ``A_reward`` is the verifiable reward's advantage
+   (``advantages``), per sequence [B] or per token [B, T]; ``reward_coef`` 0 leaves it out.
+
+2. The generalised Jensen-Shannon divergence of each position's next-token distributions
+   (GKD eq. 1, TRL's ``GKDTrainer.generalized_jsd_loss`` convention), S the student, T the
+   teacher, both softmax(logits / temperature)::
+
+       M = beta * T + (1 - beta) * S
+       JSD_beta = beta * KL(T || M) + (1 - beta) * KL(S || M)     0 < beta < 1
+       beta = 0: KL(T || S) (forward KL)      beta = 1: KL(S || T) (reverse KL)
+
+   The endpoints are defined directly, as TRL does (the mixture formula itself vanishes at 0
+   and 1). Over the full vocabulary (``generalized_jsd``) or over the teacher's top-k tokens
+   (``generalized_jsd_topk``: the student's logits gathered at the teacher's top-k ids and both
+   distributions renormalised over those K tokens, as TRL's server distillation and ms-swift
+   do; with K = V it equals the full one). It is a loss differentiated through the student's
+   whole distribution, never an advantage: a divergence summed over the vocabulary does not
+   depend on the sampled token, so as an advantage its expected gradient is 0 (miles issue 2362).
+
+Both reduce with ``aggregation.aggregate`` over the FULL batch's denominator and report sums plus
+``token_count`` (``policy_loss``'s metrics contract), so they are exact under microbatching and
+packing (segment ids). Every function is pure over arrays, opens with chex contracts and runs
+the same with or without jit.
+
+Not here: the teachers' forward passes (``algos.teacher``, ``sampling.vllm_teacher``), the
+choice of a teacher per problem (``jaxrlvr.teachers``) and the method record that wires these
+into an update.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlvr.algos import aggregation, loss_config, policy_loss, segments
+
+_f32 = jnp.float32
+Signal = Literal["reverse_kl", "jsd"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+    """What the teacher's signal is and how it mixes with the verifiable reward.
+
+    signal: "reverse_kl" (the per-token advantage, needs the teacher's log-prob of each sampled
+        token) or "jsd" (the generalised JSD loss, needs the teacher's logits or top-k).
+    kl_coef: the reverse-KL advantage's coefficient (>= 0).
+    reward_coef: the verifiable reward's advantage coefficient (>= 0; 0: pure distillation).
+    beta: the JSD's interpolation in [0, 1] (0 forward KL, 1 reverse KL; TRL's convention).
+    temperature: both distributions are softmax(logits / temperature) in the JSD (> 0).
+    top_k: the JSD over the teacher's top-k tokens (renormalised); None: the full vocabulary.
+    """
+
+    signal: Signal = "reverse_kl"
+    kl_coef: float = 1.0
+    reward_coef: float = 0.0
+    beta: float = 1.0
+    temperature: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        loss_config.check_literal("distill.signal", self.signal, Signal)
+        if not self.kl_coef >= 0:
+            raise ValueError(f"distill.kl_coef must be >= 0, got {self.kl_coef!r}")
+        if not self.reward_coef >= 0:
+            raise ValueError(f"distill.reward_coef must be >= 0, got {self.reward_coef!r}")
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"distill.beta must be in [0, 1], got {self.beta!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"distill.temperature must be > 0, got {self.temperature!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"distill.top_k must be None or an integer >= 1, got {self.top_k!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Reverse KL as a per-token advantage.
+
+
+def reverse_kl_advantages(
+    student_logp_bt: jax.Array,
+    teacher_logp_bt: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    kl_coef: float = 1.0,
+    reward_adv: jax.Array | None = None,
+    reward_coef: float = 0.0,
+) -> jax.Array:
+    """Per-token advantages -kl_coef * (log pi_s - log pi_t) + reward_coef * A_reward, float32
+    [B, T], 0 outside the mask, no gradient (module docstring, signal 1).
+
+    Args:
+      student_logp_bt: floating [B, T] log pi_student of the sampled tokens.
+      teacher_logp_bt: floating [B, T] log pi_teacher of the same tokens.
+      mask_bt: [B, T] 0/1 mask of the completion tokens.
+      kl_coef: the reverse KL's coefficient.
+      reward_adv: the verifiable reward's advantage, [B] per sequence or [B, T] per token
+        (required when ``reward_coef`` != 0).
+      reward_coef: its coefficient.
+    """
+    loss_config.expect_array(student_logp_bt, "student_logp_bt", rank=2, kind="float")
+    shape = student_logp_bt.shape
+    loss_config.expect_array(teacher_logp_bt, "teacher_logp_bt", shape=shape, kind="float")
+    loss_config.expect_array(mask_bt, "mask_bt", shape=shape, kind="mask")
+    if reward_coef != 0 and reward_adv is None:
+        raise ValueError("reward_coef != 0 requires `reward_adv`")
+    valid = jnp.asarray(mask_bt) != 0
+    # where() before the subtraction: padded positions may hold -inf log-probs.
+    diff = jnp.where(valid, student_logp_bt.astype(_f32) - teacher_logp_bt.astype(_f32), 0.0)
+    adv = -kl_coef * diff
+    if reward_adv is not None and reward_coef != 0:
+        loss_config.expect_array(reward_adv, "reward_adv", rank={1, 2}, kind="real")
+        loss_config.expect_array(reward_adv, "reward_adv", shape=shape[: reward_adv.ndim])
+        r = jnp.asarray(reward_adv).astype(_f32)
+        r = r[:, None] if r.ndim == 1 else r
+        adv = adv + reward_coef * jnp.where(valid, r, 0.0)
+    return jax.lax.stop_gradient(adv)
+
+
+def reverse_kl_policy_loss(
+    logp_bt: jax.Array,
+    teacher_logp_bt: jax.Array,
+    mask_bt: jax.Array,
+    loss_cfg: loss_config.PolicyLossConfig,
+    cfg: DistillConfig,
+    *,
+    denominator: jax.Array | float,
+    old_logp_bt: jax.Array | None = None,
+    reward_adv: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    **policy_kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """This microbatch's share of the policy-gradient loss on the reverse-KL advantages.
+
+    The advantages (``reverse_kl_advantages``) use ``old_logp_bt`` as the student's log-prob
+    when given, else ``logp_bt`` behind a stop-gradient (one on-policy epoch: ratio 1); then
+    ``policy_loss.policy_loss`` with per-token advantages, so clipping, KL to a reference,
+    entropy and the off-policy correction (``policy_kwargs``: ``ref_logp_bt``,
+    ``sampler_logp_bt``, ``behaviour_logp_bt``, ``entropy_bt``) apply unchanged.
+
+    Args:
+      logp_bt: floating [B, T] log pi_theta of the sampled tokens (differentiated).
+      teacher_logp_bt: floating [B, T] the teacher's log-probs of the same tokens.
+      mask_bt: [B, T] 0/1 loss mask.
+      loss_cfg: the policy objective and its aggregation.
+      cfg: ``kl_coef`` and ``reward_coef`` are read.
+      denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
+      old_logp_bt: floating [B, T] log pi_old (no gradient), or None.
+      reward_adv: [B] or [B, T] verifiable-reward advantages (with ``cfg.reward_coef`` > 0).
+      segment_ids_bt: int [B, T] of packed rows, or None.
+    Returns:
+      (loss, metrics): ``policy_loss``'s metrics plus ``distill/reverse_kl_sum`` (sum over loss
+      tokens of log pi_s - log pi_t, the k1 estimate of the per-token reverse KL),
+      ``distill/reverse_kl_k3_sum`` (k3 estimate) and ``distill/teacher_logp_sum``.
+    """
+    loss_config.expect_array(logp_bt, "logp_bt", rank=2, kind="float")
+    shape = logp_bt.shape
+    loss_config.expect_array(teacher_logp_bt, "teacher_logp_bt", shape=shape, kind="float")
+    if old_logp_bt is not None:
+        loss_config.expect_array(old_logp_bt, "old_logp_bt", shape=shape, kind="float")
+    old = jax.lax.stop_gradient(logp_bt if old_logp_bt is None else old_logp_bt)
+    adv_bt = reverse_kl_advantages(
+        old,
+        teacher_logp_bt,
+        mask_bt,
+        kl_coef=cfg.kl_coef,
+        reward_adv=reward_adv,
+        reward_coef=cfg.reward_coef,
+    )
+    loss, metrics = policy_loss.policy_loss(
+        logp_bt,
+        old,
+        adv_bt,
+        mask_bt,
+        loss_cfg,
+        denominator=denominator,
+        segment_ids_bt=segment_ids_bt,
+        **policy_kwargs,
+    )
+    valid = jnp.asarray(mask_bt) != 0
+    teacher = jnp.where(valid, teacher_logp_bt.astype(_f32), 0.0)
+    log_r = jnp.where(valid, teacher - old.astype(_f32), 0.0)  # log q / pi per token
+    log_r = jnp.clip(log_r, -loss_cfg.log_ratio_clamp, loss_cfg.log_ratio_clamp)
+
+    def tsum(x: jax.Array) -> jax.Array:
+        return jax.lax.stop_gradient(jnp.sum(aggregation.masked_rows(x, mask_bt)))
+
+    metrics = dict(metrics)
+    metrics["distill/reverse_kl_sum"] = tsum(-log_r)
+    metrics["distill/reverse_kl_k3_sum"] = tsum(jnp.maximum(jnp.expm1(log_r) - log_r, 0.0))
+    metrics["distill/teacher_logp_sum"] = tsum(teacher)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The generalised Jensen-Shannon divergence.
+
+
+def _kl_from_logp(logp: jax.Array, logq: jax.Array) -> jax.Array:
+    """KL(p || q) over the last axis from log-probs; a 0-probability entry of p contributes 0."""
+    p = jnp.exp(logp)
+    return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+
+
+def jsd_from_logprobs(student_logp: jax.Array, teacher_logp: jax.Array, beta: float) -> jax.Array:
+    """The generalised JSD (module docstring) over the last axis of two normalised float32
+    log-prob arrays [..., V] -> [...]. ``beta`` is static."""
+    if beta == 0:
+        return _kl_from_logp(teacher_logp, student_logp)
+    if beta == 1:
+        return _kl_from_logp(student_logp, teacher_logp)
+    # log M in log space (no exp of either distribution before the mix).
+    log_m = jnp.logaddexp(teacher_logp + jnp.log(beta), student_logp + jnp.log1p(-beta))
+    return beta * _kl_from_logp(teacher_logp, log_m) + (1.0 - beta) * _kl_from_logp(
+        student_logp, log_m
+    )
+
+
+def _check_beta_temperature(beta: float, temperature: float) -> None:
+    if not 0 <= beta <= 1:
+        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+
+def generalized_jsd(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Per-position generalised JSD over the full vocabulary, float32 [...].
+
+    Args:
+      student_logits: floating [..., V] (differentiated).
+      teacher_logits: floating [..., V], logits or log-probs (both give the same softmax); no
+        gradient.
+      beta: 0 forward KL(T || S), 1 reverse KL(S || T), between: the mixture JSD.
+      temperature: both are softmax(x / temperature).
+    """
+    loss_config.expect_array(student_logits, "student_logits", kind="float")
+    loss_config.expect_array(
+        teacher_logits, "teacher_logits", shape=student_logits.shape, kind="float"
+    )
+    _check_beta_temperature(beta, temperature)
+    s = jax.nn.log_softmax(student_logits.astype(_f32) / temperature, axis=-1)
+    t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits.astype(_f32)) / temperature, -1)
+    return jsd_from_logprobs(s, t, beta)
+
+
+def generalized_jsd_topk(
+    student_logits: jax.Array,
+    teacher_topk_ids: jax.Array,
+    teacher_topk_logp: jax.Array,
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Per-position generalised JSD over the teacher's top-k tokens, float32 [...].
+
+    The student's logits at ``teacher_topk_ids`` and the teacher's log-probs there are each
+    renormalised over those K tokens (after dividing by ``temperature``; the teacher's
+    normaliser cancels), then ``jsd_from_logprobs``. With K = V (every token) it equals
+    ``generalized_jsd``.
+
+    Args:
+      student_logits: floating [..., V] (differentiated).
+      teacher_topk_ids: int [..., K] the teacher's top-k token ids (distinct per position).
+      teacher_topk_logp: floating [..., K] the teacher's log-probs (or logits) of those tokens.
+      beta, temperature: as ``generalized_jsd``.
+    """
+    loss_config.expect_array(student_logits, "student_logits", kind="float")
+    lead = student_logits.shape[:-1]
+    loss_config.expect_array(teacher_topk_ids, "teacher_topk_ids", rank=len(lead) + 1, kind="int")
+    k = teacher_topk_ids.shape[-1]
+    loss_config.expect_array(teacher_topk_ids, "teacher_topk_ids", shape=(*lead, k))
+    loss_config.expect_array(teacher_topk_logp, "teacher_topk_logp", shape=(*lead, k), kind="float")
+    _check_beta_temperature(beta, temperature)
+    picked = jnp.take_along_axis(student_logits.astype(_f32), teacher_topk_ids, axis=-1)
+    s = jax.nn.log_softmax(picked / temperature, axis=-1)
+    t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_topk_logp.astype(_f32)) / temperature, -1)
+    return jsd_from_logprobs(s, t, beta)
+
+
+def jsd_loss(
+    jsd_bt: jax.Array,
+    mask_bt: jax.Array,
+    loss_cfg: loss_config.PolicyLossConfig,
+    *,
+    denominator: jax.Array | float,
+    segment_ids_bt: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """This microbatch's share of the aggregated JSD loss, and its metric sums.
+
+    Args:
+      jsd_bt: floating [B, T] per-position divergence (``generalized_jsd(_topk)``).
+      mask_bt: [B, T] 0/1 loss mask (completion tokens).
+      loss_cfg: its ``aggregation`` (and ``norm_constant``) reduce the per-token values.
+      denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
+      segment_ids_bt: int [B, T] of packed rows, or None.
+    Returns:
+      (loss, metrics): ``loss`` (add over microbatches), ``distill/jsd_sum``, ``jsd_max``,
+      ``token_count`` and ``seq_count`` (``policy_loss``'s contract).
+    """
+    loss_config.expect_array(jsd_bt, "jsd_bt", rank=2, kind="float")
+    loss_config.expect_array(mask_bt, "mask_bt", shape=jsd_bt.shape, kind="mask")
+    loss_config.expect_array(denominator, "denominator", rank=0)
+    loss = aggregation.aggregate(jsd_bt, mask_bt, loss_cfg, denominator, segment_ids_bt)
+    masked = jax.lax.stop_gradient(aggregation.masked_rows(jsd_bt, mask_bt))
+    metrics = {
+        "loss": jax.lax.stop_gradient(loss),
+        "distill/jsd_sum": jnp.sum(masked),
+        "distill/jsd_max": jnp.max(masked, initial=0.0),
+        "token_count": jnp.sum(jnp.asarray(mask_bt).astype(_f32)),
+        "seq_count": jnp.sum(segments.last_valid(mask_bt, segment_ids_bt).astype(_f32)),
+    }
+    return loss, metrics

@@ -1,0 +1,276 @@
+"""On-policy distillation losses (jaxrlvr.algos.distill): NumPy references, the analytic
+reverse-KL gradient on a small categorical, microbatch and packing exactness, jit and eager."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlvr.algos import aggregation, distill, policy_loss
+from jaxrlvr.algos.loss_config import PolicyLossConfig as PLC
+
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _np_jsd(s_logits, t_logits, beta, temperature=1.0):
+    """Independent float64 reference: probabilities, explicit mixture, sum p log(p / m)."""
+    p = np.exp(_log_softmax(np.asarray(s_logits, np.float64) / temperature))
+    q = np.exp(_log_softmax(np.asarray(t_logits, np.float64) / temperature))
+
+    def kl(a, b):
+        return np.sum(np.where(a > 0, a * (np.log(a) - np.log(b)), 0.0), axis=-1)
+
+    if beta == 0:
+        return kl(q, p)
+    if beta == 1:
+        return kl(p, q)
+    m = beta * q + (1 - beta) * p
+    return beta * kl(q, m) + (1 - beta) * kl(p, m)
+
+
+def _tokens(seed, b=4, t=6, gap=1.0):
+    rng = np.random.default_rng(seed)
+    lp = -rng.uniform(0.1, 4.0, size=(b, t)).astype(np.float32)
+    teacher = (lp + rng.normal(scale=gap, size=(b, t))).astype(np.float32)
+    mask = (rng.uniform(size=(b, t)) < 0.75).astype(np.float32)
+    mask[:, 0] = 1.0
+    return lp, teacher, mask
+
+
+def test_reverse_kl_advantages_match_numpy():
+    lp, teacher, mask = _tokens(0)
+    # Padding may hold -inf log-probs: they must not leak NaN.
+    lp_pad = np.where(mask > 0, lp, -np.inf).astype(np.float32)
+    reward_b = np.array([1.0, -0.5, 0.0, 2.0], np.float32)
+    got = distill.reverse_kl_advantages(
+        lp_pad, teacher, mask, kl_coef=0.7, reward_adv=reward_b, reward_coef=0.3
+    )
+    want = np.where(
+        mask > 0,
+        -0.7 * (lp.astype(np.float64) - teacher) + 0.3 * reward_b[:, None],
+        0.0,
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Per-token reward advantages give the same as their per-sequence broadcast.
+    per_token = np.broadcast_to(reward_b[:, None], lp.shape).astype(np.float32)
+    got_bt = distill.reverse_kl_advantages(
+        lp_pad, teacher, mask, kl_coef=0.7, reward_adv=per_token, reward_coef=0.3
+    )
+    np.testing.assert_array_equal(got_bt, got)
+    with pytest.raises(ValueError, match="reward_coef != 0 requires `reward_adv`"):
+        distill.reverse_kl_advantages(lp, teacher, mask, reward_coef=0.5)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_generalized_jsd_matches_numpy(beta, temperature):
+    rng = np.random.default_rng(1)
+    s, t = (rng.normal(scale=2.0, size=(2, 3, 17)).astype(np.float32) for _ in range(2))
+    got = distill.generalized_jsd(s, t, beta=beta, temperature=temperature)
+    chex.assert_shape(got, (2, 3))
+    np.testing.assert_allclose(got, _np_jsd(s, t, beta, temperature), rtol=1e-5, atol=1e-6)
+    # Teacher log-probs instead of logits: the same distribution, the same divergence.
+    t_logp = np.asarray(jax.nn.log_softmax(jnp.asarray(t)), np.float32)
+    np.testing.assert_allclose(
+        distill.generalized_jsd(s, t_logp, beta=beta, temperature=temperature),
+        got,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_generalized_jsd_topk_matches_numpy_and_full_at_k_equal_v(beta):
+    rng = np.random.default_rng(2)
+    v, k = 13, 4
+    s, t = (rng.normal(scale=2.0, size=(3, 5, v)).astype(np.float32) for _ in range(2))
+    t_logp = _log_softmax(t)
+    ids = np.argsort(-t, axis=-1)[..., :k].astype(np.int32)
+    top_logp = np.take_along_axis(t_logp, ids, axis=-1).astype(np.float32)
+    got = distill.generalized_jsd_topk(s, ids, top_logp, beta=beta, temperature=1.5)
+    # Reference: both restricted to the teacher's top-k tokens and renormalised there.
+    want = _np_jsd(np.take_along_axis(s, ids, axis=-1), top_logp, beta, temperature=1.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # K = V, ids in any order: the full-vocabulary divergence.
+    all_ids = np.argsort(-t, axis=-1).astype(np.int32)
+    full_logp = np.take_along_axis(t_logp, all_ids, axis=-1).astype(np.float32)
+    np.testing.assert_allclose(
+        distill.generalized_jsd_topk(s, all_ids, full_logp, beta=beta),
+        distill.generalized_jsd(s, t, beta=beta),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def _categorical(seed, v=6):
+    rng = np.random.default_rng(seed)
+    theta = jnp.asarray(rng.normal(size=v), jnp.float32)
+    log_q = jax.nn.log_softmax(jnp.asarray(rng.normal(scale=1.5, size=v), jnp.float32))
+    return theta, log_q
+
+
+def _analytic_reverse_kl_grad(theta, log_q):
+    """d/dtheta KL(softmax(theta) || q) = pi * (log pi - log q - KL), in float64."""
+    log_pi = _log_softmax(np.asarray(theta))
+    pi = np.exp(log_pi)
+    diff = log_pi - np.asarray(log_q, np.float64)
+    return pi * (diff - np.sum(pi * diff))
+
+
+@pytest.mark.parametrize("aggregation_mode", ["token_mean", "seq_mean_token_mean"])
+def test_reverse_kl_advantage_gradient_is_the_analytic_reverse_kl_gradient(aggregation_mode):
+    # One position, every action a enumerated with its probability pi(a) (held fixed): the
+    # expected policy-gradient loss E_a~pi[loss(a)] has the gradient of KL(pi || q) exactly.
+    theta, log_q = _categorical(3)
+    v = theta.shape[0]
+    cfg = PLC(aggregation=aggregation_mode)
+    dcfg = distill.DistillConfig(kl_coef=1.0)
+    one = jnp.ones((1, 1), jnp.float32)
+
+    def expected_loss(th):
+        log_pi = jax.nn.log_softmax(th)
+        pi = jax.lax.stop_gradient(jnp.exp(log_pi))
+        total = 0.0
+        for a in range(v):
+            loss, _ = distill.reverse_kl_policy_loss(
+                log_pi[a].reshape(1, 1), log_q[a].reshape(1, 1), one, cfg, dcfg,
+                denominator=jnp.float32(1.0),
+            )  # fmt: skip
+            total = total + pi[a] * loss
+        return total
+
+    got = jax.grad(expected_loss)(theta)
+    np.testing.assert_allclose(got, _analytic_reverse_kl_grad(theta, log_q), atol=2e-6)
+
+
+def test_jsd_gradients_at_the_endpoints_are_the_analytic_kl_gradients():
+    theta, log_q = _categorical(4, v=9)
+    rev = jax.grad(lambda th: distill.generalized_jsd(th, log_q, beta=1.0))(theta)
+    np.testing.assert_allclose(rev, _analytic_reverse_kl_grad(theta, log_q), atol=2e-6)
+    # Forward KL(q || pi): d/dtheta = pi - q.
+    fwd = jax.grad(lambda th: distill.generalized_jsd(th, log_q, beta=0.0))(theta)
+    want = np.exp(_log_softmax(np.asarray(theta))) - np.exp(np.asarray(log_q, np.float64))
+    np.testing.assert_allclose(fwd, want, atol=2e-6)
+    # No gradient flows into the teacher.
+    g_teacher = jax.grad(lambda t: distill.generalized_jsd(theta, t, beta=0.5))(log_q)
+    np.testing.assert_array_equal(g_teacher, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_one_vs_two_microbatches_and_packed_rows_are_exact(mode):
+    cfg = PLC(aggregation=mode)
+    dcfg = distill.DistillConfig(kl_coef=0.8, reward_coef=0.5)
+    lp, teacher, mask = _tokens(5, b=4, t=6)
+    reward = np.array([1.0, 0.0, -1.0, 0.5], np.float32)
+    rng = np.random.default_rng(5)
+    jsd_bt = rng.uniform(0.0, 2.0, size=lp.shape).astype(np.float32)
+    den = aggregation.loss_denominator(mask, cfg)
+
+    def rkl(x, idx):
+        return distill.reverse_kl_policy_loss(
+            x, teacher[idx], mask[idx], cfg, dcfg, denominator=den, reward_adv=reward[idx]
+        )
+
+    full_idx = np.arange(4)
+    full_g = jax.grad(lambda x: rkl(x, full_idx)[0])(jnp.asarray(lp))
+    parts = [np.arange(0, 4, 2), np.arange(1, 4, 2)]  # the engine's strided split
+    g = np.zeros_like(lp)
+    acc = policy_loss.metrics_identity(rkl(lp, full_idx)[1])
+    for idx in parts:
+        g[idx] = jax.grad(lambda x, idx=idx: rkl(x, idx)[0])(jnp.asarray(lp[idx]))
+        acc = policy_loss.accumulate_metrics(acc, rkl(lp[idx], idx)[1])
+    np.testing.assert_allclose(g, full_g, rtol=0, atol=1e-7)
+    chex.assert_trees_all_close(
+        policy_loss.finalize_metrics(acc),
+        policy_loss.finalize_metrics(rkl(lp, full_idx)[1]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    want_kl = np.sum(mask * (lp - teacher)) / np.sum(mask)
+    got = policy_loss.finalize_metrics(rkl(lp, full_idx)[1])["distill/reverse_kl"]
+    np.testing.assert_allclose(got, want_kl, rtol=1e-5)
+
+    jl_full, jm_full = distill.jsd_loss(jsd_bt, mask, cfg, denominator=den)
+    jl_parts = sum(
+        float(distill.jsd_loss(jsd_bt[i], mask[i], cfg, denominator=den)[0]) for i in parts
+    )
+    np.testing.assert_allclose(jl_parts, float(jl_full), rtol=1e-6)
+    np.testing.assert_allclose(
+        policy_loss.finalize_metrics(jm_full)["distill/jsd"],
+        np.sum(mask * jsd_bt) / np.sum(mask),
+        rtol=1e-6,
+    )
+
+    # Rows 0 and 1 packed into one row (segments 1 and 2) aggregate as the padded rows do.
+    t = lp.shape[1]
+    two = np.arange(2)
+    packed = lambda x: x[two].reshape(1, 2 * t)  # noqa: E731
+    seg = np.repeat(np.array([[1, 2]], np.int32), t, axis=1)
+    den2 = aggregation.loss_denominator(mask[two], cfg)
+    den2p = aggregation.loss_denominator(packed(mask), cfg, seg)
+    np.testing.assert_allclose(den2p, den2)
+    padded = distill.reverse_kl_policy_loss(
+        lp[two], teacher[two], mask[two], cfg, dcfg, denominator=den2, reward_adv=reward[two]
+    )[0]
+    reward_bt = np.broadcast_to(reward[two, None], (2, t)).reshape(1, 2 * t)
+    packed_loss = distill.reverse_kl_policy_loss(
+        packed(lp), packed(teacher), packed(mask), cfg, dcfg,
+        denominator=den2p, reward_adv=reward_bt, segment_ids_bt=seg,
+    )[0]  # fmt: skip
+    np.testing.assert_allclose(packed_loss, padded, rtol=1e-6)
+    np.testing.assert_allclose(
+        distill.jsd_loss(packed(jsd_bt), packed(mask), cfg, denominator=den2p, segment_ids_bt=seg)[
+            0
+        ],
+        distill.jsd_loss(jsd_bt[two], mask[two], cfg, denominator=den2)[0],
+        rtol=1e-6,
+    )
+
+
+def test_bad_config_and_shapes_are_one_line_errors():
+    for kw, key in [
+        ({"beta": 1.5}, "distill.beta"),
+        ({"temperature": 0.0}, "distill.temperature"),
+        ({"top_k": 0}, "distill.top_k"),
+        ({"signal": "kl"}, "distill.signal"),
+        ({"kl_coef": -1.0}, "distill.kl_coef"),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            distill.DistillConfig(**kw)
+    s = np.zeros((2, 3, 5), np.float32)
+    with pytest.raises(AssertionError, match="teacher_logits"):
+        distill.generalized_jsd(s, np.zeros((2, 3, 6), np.float32))
+    with pytest.raises(AssertionError, match="teacher_topk_ids"):
+        distill.generalized_jsd_topk(s, np.zeros((2, 3, 2), np.float32), np.zeros((2, 3, 2)))
+
+
+class DistillVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_jit_and_eager_agree(self):
+        lp, teacher, mask = _tokens(7)
+        cfg = PLC(aggregation="token_mean", kl_coef=0.1)
+        dcfg = distill.DistillConfig(kl_coef=1.0, reward_coef=0.2)
+        rng = np.random.default_rng(7)
+        s, t = (rng.normal(size=(4, 6, 11)).astype(np.float32) for _ in range(2))
+        ids = np.argsort(-t, axis=-1)[..., :3].astype(np.int32)
+        reward = np.linspace(-1, 1, 4).astype(np.float32)
+        ref = (lp + 0.1).astype(np.float32)
+
+        def fn(lp, teacher, mask, s, t, ids, reward, ref):
+            den = aggregation.loss_denominator(mask, cfg)
+            rkl = distill.reverse_kl_policy_loss(
+                lp, teacher, mask, cfg, dcfg, denominator=den, reward_adv=reward, ref_logp_bt=ref
+            )
+            per_pos = distill.generalized_jsd(s, t, beta=0.5, temperature=1.3)
+            top = distill.generalized_jsd_topk(s, ids, jnp.take_along_axis(t, ids, -1), beta=0.0)
+            return rkl, distill.jsd_loss(per_pos, mask, cfg, denominator=den), top
+
+        args = (lp, teacher, mask, s, t, ids, reward, ref)
+        chex.assert_trees_all_close(self.variant(fn)(*args), fn(*args), rtol=1e-6, atol=1e-7)
