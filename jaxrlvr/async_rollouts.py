@@ -1,7 +1,8 @@
 """Asynchronous rollouts: the batch of step t + k is generated while the trainer updates step t.
 
-``rl.max_staleness`` = k. The RL phase (``phases.rl.RLPhase.rl_step``) and a `RolloutProducer` share
-one schedule, fixed in advance so that runs are reproducible and resumable bit for bit:
+``rl.max_staleness`` = k. The RL phase's rollout source (``phases.sources``) and a
+`RolloutProducer` share one schedule, fixed in advance so that runs are reproducible and
+resumable bit for bit:
 
     step t:  submit(t + k)        the producer's thread generates step t + k's batch with the
                                   sampler's current weights, version t (the policy after t updates)
@@ -39,7 +40,6 @@ import time
 from collections.abc import Callable
 
 from jaxrlvr.data import loading
-from jaxrlvr.envs import rollout as envs_rollout
 from jaxrlvr.sampling import base
 
 
@@ -89,12 +89,16 @@ class Rollouts:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Rollouts:
+    def from_json(
+        cls, data: dict, completion_cls: type[base.Completion] = base.Completion
+    ) -> Rollouts:
+        """The batch ``to_json`` wrote; its completions are ``completion_cls`` (the rollout
+        source's: plain completions or multi-turn trajectories)."""
         return cls(
             step=int(data["step"]),
             problems=[loading.Problem(**p) for p in data["problems"]],
             prompts=[list(p) for p in data["prompts"]],
-            completions=[envs_rollout.completion_from_dict(c) for c in data["completions"]],
+            completions=[completion_cls(**c) for c in data["completions"]],
             metrics=dict(data["metrics"]),
             generate_s=float(data.get("generate_s", 0.0)),
         )
@@ -126,12 +130,20 @@ class RolloutProducer:
         the producer's thread): host-side state (the data iterator) advances in step order on
         the trainer's thread, only the sampling runs concurrently.
       max_staleness: k >= 1.
+      completion_cls: the completions' type, for the batches a checkpoint restores.
     """
 
-    def __init__(self, make_rollouts: Callable[[int], Callable[[], Rollouts]], max_staleness: int):
+    def __init__(
+        self,
+        make_rollouts: Callable[[int], Callable[[], Rollouts]],
+        max_staleness: int,
+        *,
+        completion_cls: type[base.Completion] = base.Completion,
+    ):
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: the producer needs k >= 1")
         self._make = make_rollouts
+        self._completion_cls = completion_cls
         self.max_staleness = max_staleness
         self._ready: dict[int, Rollouts] = {}
         self._inflight: tuple[int, concurrent.futures.Future] | None = None
@@ -190,7 +202,7 @@ class RolloutProducer:
     def load_state_dict(self, state: dict) -> None:
         self._ready = {}
         for item in state["ready"]:
-            r = Rollouts.from_json(item)
+            r = Rollouts.from_json(item, self._completion_cls)
             self._ready[r.step] = r
         self.next_step = int(state["next_step"])
 

@@ -1,25 +1,22 @@
-"""The run's components, built from a ``TrainConfig``: what ``train``, ``eval``, ``export``,
-``pairs`` and the benchmarks share.
-
-Tokenizer, model (its config, its weights, or only its shape), data splits and their shards,
-prompt rendering and sampling parameters, the sampler (the embedded JAX sampler or supervised vLLM
-servers), the grader (reward function + grading pool), and the one-line checks that the batch
-shapes fit the mesh. Nothing here trains or loops: that is ``train`` and ``phases``.
+"""The run's parts, each built from a ``TrainConfig``: the tokenizer, the model (its config, its
+weights, or only its shape), the data splits and their shards, the sampler (the embedded JAX
+sampler or supervised vLLM servers) and the grader (reward function + grading pool), with the
+one-line checks that the phases' batches fit the mesh and the data shards and that the prompts
+fit the model. ``assembly.assemble`` puts them together once for a run; nothing here trains or
+loops (``train``, ``phases``).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import shutil
-import sys
 
 import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, placement, preflight
+from jaxrlvr import configlib, distributed, phases, placement, preflight, prompts
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import (
@@ -29,15 +26,9 @@ from jaxrlvr.data import (
     scratchpad,
     shards,
     synthetic,
-    templates,
 )
 from jaxrlvr.data import tokenizer as tokenizer_lib
 from jaxrlvr.rewards import code, grading, sandbox, verifiers
-from jaxrlvr.sampling import base as sampling_base
-
-
-def log(msg: str) -> None:
-    print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
 
 
 def build_tokenizer(cfg: config_lib.TrainConfig):
@@ -137,7 +128,9 @@ def load_splits(
         )
         problems, stats = loading.load_problems(data_cfg)
         if stats.dropped:
-            log(f"{path}: kept {stats.kept} problems, dropped {stats.dropped} ({stats.reasons})")
+            prompts.log(
+                f"{path}: kept {stats.kept} problems, dropped {stats.dropped} ({stats.reasons})"
+            )
         if not problems:
             raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
         return problems
@@ -147,48 +140,9 @@ def load_splits(
     return train_problems, held_out
 
 
-def render(cfg: config_lib.TrainConfig, problem: loading.Problem, tokenizer) -> str:
-    return templates.render_prompt(cfg.data.template, problem.question, tokenizer)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
-    """``encode`` of each text, in one batched tokenizer call (half the time of one call each for
-    an SFT batch of 64 here)."""
-    if not texts:
-        return []
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-
-
-def sampling_params(cfg: config_lib.TrainConfig, tokenizer, *, eval_mode=False, seed=None):
-    s = cfg.sampler
-    stop_ids, stop_strings = [], []
-    for text in s.stop:
-        ids = encode(tokenizer, text)
-        (stop_ids.append(ids[0]) if len(ids) == 1 else stop_strings.append(text))
-    return sampling_base.SamplingParams(
-        temperature=s.eval_temperature if eval_mode else s.temperature,
-        top_p=1.0 if eval_mode else s.top_p,
-        top_k=0 if eval_mode else s.top_k,
-        max_tokens=(s.eval_max_tokens or s.max_tokens) if eval_mode else s.max_tokens,
-        stop_token_ids=tuple(stop_ids),
-        stop=tuple(stop_strings),
-        seed=seed,
-        thinking_budget=s.thinking_budget,
-    )
-
-
 def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: str):
-    """The run's sampler: the engine of ``sampler.kind``; with ``env.tools``, wrapped so that
-    its completions are multi-turn tool-use rollouts (``envs.MultiTurnSampler``)."""
-    if cfg.env.tools:
-        engine = build_sampler(
-            dataclasses.replace(cfg, env=config_lib.EnvSection()), model, tokenizer, mesh, run_dir
-        )
-        return build_multi_turn(cfg, engine, tokenizer)
+    """The run's sampler: the engine of ``sampler.kind``, started on ``model``'s weights (the
+    run's phases may wrap it: ``assembly.assemble``)."""
     eos = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
     if cfg.sampler.kind == "jax":
         from jaxrlvr.sampling import jax_sampler
@@ -227,7 +181,9 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
         os.path.join(run_dir, f"{stem}.log" if i == 0 else f"{stem}_{i}.log")
         for i in range(len(groups))
     ]
-    log(f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})")
+    prompts.log(
+        f"starting {len(groups)} vLLM server(s) on {model_dir}: {plan.describe()} (logs: {logs})"
+    )
     servers = [
         vllm_server.VLLMServer(
             model_dir,
@@ -264,40 +220,6 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     return sampler
 
 
-def build_multi_turn(cfg: config_lib.TrainConfig, engine, tokenizer):
-    """``engine`` wrapped into a ``envs.MultiTurnSampler`` with ``env.tools`` and its limits (the
-    python tool runs in ``reward.sandbox`` with ``reward.code``'s limits)."""
-    from jaxrlvr import envs
-
-    e = cfg.env
-    if jax.process_count() > 1 and cfg.sampler.kind == "jax":
-        # Each turn of the JAX sampler is one program over every process's rows: processes whose
-        # rollouts need different numbers of turns would wait for each other forever.
-        raise configlib.ConfigKeyError(
-            "env.tools with sampler.kind=jax runs in one process only (use sampler.kind=vllm "
-            "for a multi-process job)"
-        )
-    tools = envs.make_tools(e.tools, sandbox=cfg.reward.code.sandbox(cfg.reward.sandbox))
-    limits = envs.TurnLimits(
-        max_turns=e.max_turns,
-        max_tokens_per_turn=e.max_tokens_per_turn or cfg.sampler.max_tokens,
-        max_total_tokens=cfg.sampler.max_tokens,
-    )
-
-    def close_tools():
-        for tool in tools:
-            getattr(tool, "close", lambda: None)()
-
-    return envs.MultiTurnSampler(
-        engine,
-        tokenizer,
-        lambda: envs.ToolEnvironment(tools, max_output_chars=e.max_output_chars),
-        limits,
-        num_workers=e.num_workers,
-        on_close=close_tools,
-    )
-
-
 def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
     """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
     (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
@@ -314,27 +236,22 @@ def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]
     return devices[: -s.jax_devices], devices[-s.jax_devices :]
 
 
-def batch_shards(mesh) -> int:
-    """How many shards the batch axis is split into: the mesh's data x fsdp sizes."""
-    return int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
-
-
 def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     """One-line config error unless every microbatch's rows divide over the mesh's batch
-    shards ('data' x 'fsdp'), for each phase the run has.
+    shards ('data' x 'fsdp'), for each phase the run has (``Phase.geometry``), and unless each
+    phase can run in this job (``Phase.check``).
 
-    Unpacked, a step's rows are its rollouts (``rl.prompts_per_step x rl.group_size``) or the SFT
-    batch (``sft.batch_size``): they must be a multiple of microbatches x shards (otherwise a
-    microbatch has a remainder or fewer rows than devices, which XLA replicates: "Involuntary
-    full rematerialization"). Packed, the row count is rounded up to such a multiple, so only a
-    multiple above the number of sequences (rows that could only be padding) is refused. A token
-    budget (``rl.max_tokens_per_microbatch``) must hold one row per batch shard, each row at
-    least ``rl.max_tokens_per_row`` positions (longer rows are refused at the step that packs
-    them, by ``rollout.budget_rows``).
+    Unpacked, a step's rows (the rollouts, the SFT batch, the preference pairs) must be a
+    multiple of microbatches x shards (otherwise a microbatch has a remainder or fewer rows than
+    devices, which XLA replicates: "Involuntary full rematerialization"). Packed, the row count
+    is rounded up to such a multiple, so only a multiple above the number of sequences (rows
+    that could only be padding) is refused. A token budget (``rl.max_tokens_per_microbatch``)
+    must hold one row per batch shard, each row at least ``rl.max_tokens_per_row`` positions
+    (longer rows are refused at the step that packs them, by ``rollout.budget_rows``).
     """
     shards = step_lib.batch_shard_count(mesh)
     where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
-    rl, sft = cfg.rl, cfg.sft
+    rl = cfg.rl
     budget = rl.max_tokens_per_microbatch
     if budget is not None and rl.algo != "none" and rl.steps > 0:
         least = shards * (rl.max_tokens_per_row or 1)
@@ -344,56 +261,43 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
                 f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
                 f"x {shards} batch shards ({where}) = {least}"
             )
-    phases = []
-    if rl.algo in config_lib.PREFERENCE_ALGOS and rl.steps > 0:
-        # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
-        phases.append((cfg.pref.batch_size, "pref.batch_size", rl.microbatches, "rl", False))
-    elif rl.algo != "none" and rl.steps > 0:
-        rows_key = "rl.prompts_per_step x rl.group_size"
-        phases.append((rl.rollouts_per_step, rows_key, rl.microbatches, "rl", rl.packing))
-    if sft.steps > 0 or rl.algo == "none":
-        phases.append((sft.batch_size, "sft.batch_size", sft.microbatches, "sft", sft.packing))
-    for rows, rows_key, n, section, packed in phases:
-        unit = n * shards
-        if (unit <= rows) if packed else (rows % unit == 0):
+    plan = phases.plan(cfg)
+    for cls in plan:
+        cls.check(cfg, processes=jax.process_count())
+    # The train phase's batch first: its message is the one a user of the run meets first.
+    for g in [cls.geometry(cfg) for cls in reversed(plan)]:
+        if g is None:
             continue
-        fits = [m for m in range(n, 0, -1) if rows % (m * shards) == 0]
-        hint = f"{section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
+        n = g.microbatches
+        unit = n * shards
+        if (unit <= g.rows) if g.packed else (g.rows % unit == 0):
+            continue
+        fits = [m for m in range(n, 0, -1) if g.rows % (m * shards) == 0]
+        hint = f"{g.section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
         raise configlib.ConfigKeyError(
-            f"{section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
-            f"{'exceed' if packed else 'do not divide'} {rows_key} = {rows}: each microbatch's "
-            f"rows must split evenly over the batch shards; try {hint}"
+            f"{g.section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
+            f"{'exceed' if g.packed else 'do not divide'} {g.rows_key} = {g.rows}: each "
+            f"microbatch's rows must split evenly over the batch shards; try {hint}"
         )
 
 
 def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
     """(the run's number of data shards, the shards this process reads): ``data.shards``, by
     default one per process row block (``step.process_row_block``); one-line config errors when
-    the shards do not divide the blocks or the per-step batches."""
+    the shards do not divide the blocks or a phase's batch per step (``Phase.geometry``)."""
     block, blocks = step_lib.process_row_block(mesh)
     n = cfg.data.shards or blocks
-    rl, sft = cfg.rl, cfg.sft
     if n % blocks:
         raise configlib.ConfigKeyError(
             f"data.shards={n} does not split over the {blocks} process row blocks of this job"
         )
-    if jax.process_count() > 1 and rl.algo in config_lib.PREFERENCE_ALGOS:
-        raise configlib.ConfigKeyError(
-            f"rl.algo={rl.algo}: the offline preference phase runs in one process only"
-        )
-    if jax.process_count() > 1 and rl.max_staleness > 0:
-        # The background sampler's collectives would interleave with the update's.
-        raise configlib.ConfigKeyError(
-            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts run in one process only"
-        )
-    if rl.algo != "none" and rl.steps > 0 and rl.prompts_per_step % n:
-        raise configlib.ConfigKeyError(
-            f"rl.prompts_per_step={rl.prompts_per_step} is not a multiple of the {n} data shards"
-        )
-    if sft.steps > 0 and sft.batch_size % n:
-        raise configlib.ConfigKeyError(
-            f"sft.batch_size={sft.batch_size} is not a multiple of the {n} data shards"
-        )
+    for cls in reversed(phases.plan(cfg)):
+        g = cls.geometry(cfg)
+        if g is not None and g.per_shard is not None and g.per_shard[0] % n:
+            count, key = g.per_shard
+            raise configlib.ConfigKeyError(
+                f"{key}={count} is not a multiple of the {n} data shards"
+            )
     return n, shards.owned(n, block, blocks)
 
 
@@ -420,7 +324,12 @@ def check_lengths(
     for split, problems in splits.items():
         if not problems:
             continue
-        lengths = [len(encode(tokenizer, render(cfg, p, tokenizer))) for p in problems]
+        lengths = [
+            len(ids)
+            for ids in prompts.encode_many(
+                tokenizer, [prompts.render(cfg.data.template, p, tokenizer) for p in problems]
+            )
+        ]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         key, new_tokens = budgets[split]
         for what, limit in limits:
@@ -445,7 +354,7 @@ def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:
             verifiers.RewardConfig(name=r.fn, format_weight=r.format_weight)
         )
     if r.sandbox == "none":
-        log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
+        prompts.log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
     try:
         sandbox.check_available(r.code.sandbox(r.sandbox))
     except sandbox.SandboxUnavailable as exc:

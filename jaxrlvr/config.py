@@ -375,6 +375,17 @@ class RLSection:
         return self.prompts_per_step * self.group_size
 
     @property
+    def preference(self) -> bool:
+        """Whether ``algo`` is an offline preference method (trained on pairs from a file): the
+        one membership test of ``PREFERENCE_ALGOS``."""
+        return self.algo in PREFERENCE_ALGOS
+
+    @property
+    def online(self) -> bool:
+        """Whether ``algo`` samples and grades rollouts (grpo, ppo, expert_iteration)."""
+        return self.algo != "none" and not self.preference
+
+    @property
     def policy_loss(self) -> loss_config.PolicyLossConfig:
         """``loss`` as the update applies it: with stale rollouts and no correction chosen, the
         token-level truncation of pi_old / pi_sampler at 2."""
@@ -414,7 +425,7 @@ class RLSection:
             key = f"rl.max_tokens_per_microbatch={budget!r}"
             if not (isinstance(budget, int) and budget >= 1):
                 raise ValueError(f"{key}: expected an int >= 1 or null")
-            if not self.packing or self.algo in PREFERENCE_ALGOS:
+            if not self.packing or self.preference:
                 raise ValueError(
                     f"{key}: a token budget fills packed rollout rows; it needs rl.packing=true "
                     "and an online algorithm (grpo, ppo, expert_iteration)"

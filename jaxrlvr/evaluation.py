@@ -1,8 +1,8 @@
 """Held-out evaluation: sample the first ``eval.max_problems`` problems, grade, reduce.
 
-``evaluate`` is what the training loop's evaluation hook runs (on the live sampler);
-``evaluate_only`` (``jaxrlvr eval``) does the same for a run's newest checkpoint or for the
-config's initial model, building only what evaluation needs.
+``evaluate`` is what the training loop's evaluation hook runs (on the run's live sampler);
+``evaluate_only`` (``jaxrlvr eval``) assembles the run for a run's newest checkpoint or for the
+config's initial model (``assembly.assemble``, mode "eval") and does the same.
 """
 
 from __future__ import annotations
@@ -11,38 +11,42 @@ import dataclasses
 
 import numpy as np
 
-from jaxrlvr import builders, compile_cache, distributed, export, placement, preflight
+from jaxrlvr import assembly, compile_cache, distributed, preflight, prompts
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
-from jaxrlvr import model as model_lib
 from jaxrlvr.envs import rollout as envs_rollout
+from jaxrlvr.phases import base
 
 
 def evaluate(
-    cfg, sampler, tokenizer, problems, pool, reward_fn, *, block=(0, 1)
+    ctx: base.RunContext,
+    eval_cfg: config_lib.EvalSection,
+    sampler_cfg: config_lib.SamplerSection,
+    *,
+    seed: int,
 ) -> dict[str, float]:
-    """Held-out metrics of the first ``eval.max_problems`` problems. In a multi-process job
-    (``block``: this process's row block of ``step.process_row_block``) each process samples and
-    grades its contiguous share and the metrics are reduced over the processes."""
-    problems = problems[: cfg.eval.max_problems]
+    """Held-out metrics of the first ``eval.max_problems`` problems of ``ctx.eval_problems`` on
+    ``ctx.sampler`` (``seed``: ``run.seed``). In a multi-process job (``ctx.row_block``: this
+    process's row block of ``step.process_row_block``) each process samples and grades its
+    contiguous share and the metrics are reduced over the processes."""
+    block = ctx.row_block
+    problems = ctx.eval_problems[: eval_cfg.max_problems]
     if not problems:
         return {}
     first = 0
     if block[1] > 1:
         first = len(problems) * block[0] // block[1]
         problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
-    n = cfg.eval.samples_per_problem
-    texts = [builders.render(cfg, p, tokenizer) for p in problems]
-    prompts = builders.encode_many(tokenizer, texts)
+    n = eval_cfg.samples_per_problem
+    prompt_ids = ctx.encode_prompts(problems)
     # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
     # runs one program over all processes' rows, with one seed).
-    offset = first if cfg.sampler.kind != "jax" else 0
-    params = builders.sampling_params(
-        cfg, tokenizer, eval_mode=True, seed=cfg.run.seed + 7919 + offset
+    offset = first if sampler_cfg.kind != "jax" else 0
+    params = prompts.sampling_params(
+        sampler_cfg, ctx.tokenizer, eval_mode=True, seed=seed + 7919 + offset
     )
-    completions = sampler.generate(prompts, n, params)
-    truths = [p.answer for p in problems for _ in range(n)]
-    scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)
+    completions = ctx.sampler.generate(prompt_ids, n, params)
+    scores, _ = ctx.grader.grade(problems, [c.text for c in completions], n)
     lengths = [len(c.token_ids) for c in completions]
     if block[1] > 1:  # every share's per-completion values, one share per block, in order
         keys = ("answer_reward", "format_reward", "reward")
@@ -77,20 +81,9 @@ def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> di
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
-    placement.check_jax_devices(placement.place_trainer(cfg.sampler))  # vLLM's GPUs stay free
-    mesh = model_lib.make_mesh(cfg.mesh)
-    tokenizer = builders.build_tokenizer(cfg)
-    model = export.load_policy(cfg, run_dir, mesh, tokenizer, purpose="evaluating")
-    _, problems = builders.load_splits(cfg, train=False)
-    positions = model.config.max_position_embeddings
-    held_out = problems[: cfg.eval.max_problems]
-    builders.check_lengths(cfg, tokenizer, positions, {"data.eval": held_out})
-    reward_fn, pool = builders.build_grader(cfg)
-    sampler = None
+    assembly.start_backend(cfg)  # vLLM's GPUs stay free
+    ctx, _ = assembly.assemble(cfg, mode="eval", checkpoint=run_dir)
     try:
-        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
-        return evaluate(cfg, sampler, tokenizer, problems, pool, reward_fn)
+        return evaluate(ctx, cfg.eval, cfg.sampler, seed=cfg.run.seed)
     finally:
-        if sampler is not None:
-            sampler.close()
-        pool.close()
+        ctx.close()

@@ -14,13 +14,13 @@ import os
 import yaml
 from flax import nnx
 
-from jaxrlvr import builders, configlib, methods
+from jaxrlvr import builders, configlib, methods, prompts
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.model import peft
 
-log = builders.log
+log = prompts.log
 # Where ``export_checkpoint`` writes a LoRA run's adapters (PEFT layout) inside OUT_DIR.
 ADAPTER_SUBDIR = "adapter"
 

@@ -19,9 +19,8 @@ import os
 
 import numpy as np
 
-from jaxrlvr import builders, export, preflight
+from jaxrlvr import assembly, preflight, prompts
 from jaxrlvr import config as config_lib
-from jaxrlvr import model as model_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,26 +71,17 @@ def build_pairs(
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
-    mesh = model_lib.make_mesh(cfg.mesh)
-    tokenizer = builders.build_tokenizer(cfg)
-    model = export.load_policy(cfg, run_dir, mesh, tokenizer, purpose="pairs: sampling from")
-    problems, _ = builders.load_splits(cfg)
-    problems = problems[: pairs_cfg.max_problems]
-    reward_fn, pool = builders.build_grader(cfg)
-    sampler = None
+    ctx, _ = assembly.assemble(cfg, mode="pairs", checkpoint=run_dir)
+    problems = ctx.train_problems[: pairs_cfg.max_problems]
     k = pairs_cfg.k
     try:
-        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
-        texts = [builders.render(cfg, p, tokenizer) for p in problems]
-        prompts = [builders.encode(tokenizer, t) for t in texts]
-        params = builders.sampling_params(cfg, tokenizer, seed=pairs_cfg.seed)
-        completions = sampler.generate(prompts, k, params)
-        truths = [p.answer for p in problems for _ in range(k)]
-        scores, _ = pool.grade(reward_fn, [c.text for c in completions], truths)
+        texts = [ctx.render(p) for p in problems]
+        prompt_ids = [prompts.encode(ctx.tokenizer, t) for t in texts]
+        params = prompts.sampling_params(cfg.sampler, ctx.tokenizer, seed=pairs_cfg.seed)
+        completions = ctx.sampler.generate(prompt_ids, k, params)
+        scores, _ = ctx.grader.grade(problems, [c.text for c in completions], k)
     finally:
-        if sampler is not None:
-            sampler.close()
-        pool.close()
+        ctx.close()
     correct = np.asarray([s["answer_reward"] >= 1.0 for s in scores])
     rows = make_pairs(
         texts,

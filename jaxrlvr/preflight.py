@@ -211,15 +211,12 @@ def check_batch_rows(rows: int, needed: int, key: str, size_key: str) -> None:
 
 def check_rows(cfg: config_lib.TrainConfig, rows: dict[str, int]) -> None:
     """Each data file (``rows``: its rows by key) fills one step's batch of the phases that
-    read it."""
-    train = rows.get("data.train", 0)
-    if cfg.rl.algo not in ("none", *config_lib.PREFERENCE_ALGOS) and cfg.rl.steps > 0:
-        per_step = cfg.rl.prompts_per_step * (2 if cfg.rl.difficulty_filter else 1)
-        check_batch_rows(train, per_step, "data.train", "rl.prompts_per_step")
-    if cfg.sft.data == "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
-        check_batch_rows(train, cfg.sft.batch_size, "data.train", "sft.batch_size")
-    check_batch_rows(rows.get("sft.data", 0), cfg.sft.batch_size, "sft.data", "sft.batch_size")
-    check_batch_rows(rows.get("pref.data", 0), cfg.pref.batch_size, "pref.data", "pref.batch_size")
+    read it (``Phase.data_files``)."""
+    from jaxrlvr import phases  # the phases import the model: only when a run is checked
+
+    for cls in phases.plan(cfg):
+        for f in cls.data_files(cfg):
+            check_batch_rows(rows.get(f.key, 0), f.batch, f.key, f.batch_key)
 
 
 def complete_steps(checkpoint_dir: str) -> list[int]:
@@ -541,12 +538,13 @@ def check(
         rows["data.train"] = check_data_file(d.train, "data.train", d.on_bad_row)
     if d.eval is not None:
         check_data_file(d.eval, "data.eval", d.on_bad_row)
-    if mode == "train" and cfg.sft.data != "gold" and (cfg.sft.steps > 0 or cfg.rl.algo == "none"):
-        rows["sft.data"] = check_data_file(cfg.sft.data, "sft.data", d.on_bad_row)
-    if mode == "train" and cfg.rl.algo in config_lib.PREFERENCE_ALGOS and cfg.rl.steps > 0:
-        if cfg.pref.data is None:
-            raise PreflightError(f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)")
-        rows["pref.data"] = check_data_file(cfg.pref.data, "pref.data", d.on_bad_row)
+    if mode == "train":
+        from jaxrlvr import phases
+
+        for cls in phases.plan(cfg):
+            for f in cls.data_files(cfg):
+                if f.key not in rows and f.key != "data.train":
+                    rows[f.key] = check_data_file(f.path, f.key, d.on_bad_row)
     if mode == "train":
         check_rows(cfg, rows)
 

@@ -34,27 +34,23 @@ from typing import Any
 
 import jax
 import yaml
-from flax import nnx
 
 from jaxrlvr import (
-    builders,
+    assembly,
     compile_cache,
     distributed,
     evaluation,
     interrupt,
     phases,
-    placement,
     preflight,
+    prompts,
 )
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
-from jaxrlvr import model as model_lib
-from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import shards
 from jaxrlvr.phases import base
 
-log = builders.log
+log = prompts.log
 
 
 def _nan_to_none(x):
@@ -86,58 +82,29 @@ class LoopState:
 
 
 class Trainer:
-    """The run's context and phases; ``run()`` is the loop."""
+    """The run's context, phases and hooks; ``run()`` is the loop.
+
+    The run is assembled here once (``assembly.assemble``); the process's placement and
+    ``jax.distributed`` are set up before, once (``assembly.start_backend``, from ``run``).
+    """
 
     def __init__(self, cfg: config_lib.TrainConfig, *, resume: bool = False):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        # GPUs for the vLLM servers and for JAX, set before JAX's backend starts (placement).
-        placement.check_jax_devices(self._start_backend(cfg))
-        mesh = model_lib.make_mesh(cfg.mesh, builders.device_split(cfg)[0])
-        builders.check_microbatches_fit_mesh(cfg, mesh)
-        tokenizer = builders.build_tokenizer(cfg)
-        train_problems, eval_problems = builders.load_splits(cfg)
-        # Every prompt fits the model before any weight is loaded or step compiled.
-        positions = builders.model_config(cfg, tokenizer).max_position_embeddings
-        trained = train_problems if any(p.samples_train_prompts for p in phases.plan(cfg)) else []
-        held_out = eval_problems[: cfg.eval.max_problems]
-        splits = {"data.train": trained, "data.eval": held_out}
-        builders.check_lengths(cfg, tokenizer, positions, splits)
-        model = builders.build_model(cfg, tokenizer, mesh)
-        graphdef, params = nnx.split(model, nnx.Param)
-        # Multi-process: this process keeps only the training rows of its data shards.
-        num_shards, owned = builders.data_shards(cfg, mesh)
-        split = shards.split(train_problems, num_shards, cfg.run.seed)
-        reward_fn, pool = builders.build_grader(cfg)
-        self.ctx = base.RunContext(
-            cfg=cfg,
-            run_dir=self.run_dir,
-            mesh=mesh,
-            tokenizer=tokenizer,
-            model_cfg=model.config,
-            graphdef=graphdef,
-            params_shape=jax.eval_shape(lambda p: p, params),
-            train_problems=[p for i in owned for p in split[i]],
-            train_shards={i: split[i] for i in owned},
-            num_shards=num_shards,
-            eval_problems=eval_problems,
-            row_block=step_lib.process_row_block(mesh),
-            reward_fn=reward_fn,
-            pool=pool,
-            current_params=lambda: self.state.params,
-        )
-        self.phases = [cls(self.ctx) for cls in phases.plan(cfg)]
+        self.ctx, params = assembly.assemble(cfg, mode="train")
+        self.phases = [cls(self.ctx, cfg) for cls in phases.plan(cfg)]
         self.loop = LoopState(phase=self.phases[0].name)
         self.ckpt = checkpoint_lib.Checkpointer(
             os.path.join(self.run_dir, "checkpoints"), keep=cfg.checkpoint.keep
         )
         self.phases[0].enter(params, jax.random.PRNGKey(cfg.run.seed))
+        del params
         if resume:
             try:
                 self._restore()
             except BaseException:
-                pool.close()  # its worker processes; nothing else has started yet
+                self.ctx.close()  # the sampler and the grading pool; nothing else has started
                 raise
         elif jax.process_index() == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
@@ -149,14 +116,20 @@ class Trainer:
             if resume:
                 # Lines after the restored checkpoint were logged by the killed run; drop them.
                 self.metrics.truncate_after(self.global_step + 1)
-
-    @staticmethod
-    def _start_backend(cfg: config_lib.TrainConfig):
-        """Places the vLLM servers' and JAX's GPUs, then joins the job's processes: both before
-        JAX's backend starts. Returns the placement."""
-        plan = placement.place_trainer(cfg.sampler)
-        distributed.initialize(cfg.distributed)
-        return plan
+        self.progress = None
+        # The loop's hooks, in the order they run after a step, after the evaluation, whose
+        # period is the phase's (``hooks_for``); a phase adds its own (``Phase.hooks``).
+        self.hooks = [
+            base.Hook("log", self._log_hook),
+            base.Hook("progress", self._progress_hook),
+            base.Hook(
+                "checkpoint",
+                self._checkpoint_hook,
+                every=cfg.checkpoint.every,
+                at_phase_end=True,
+                on_stop=True,
+            ),
+        ]
 
     # -- what the loop is at -------------------------------------------------------------------
     @property
@@ -174,43 +147,44 @@ class Trainer:
         return sum(p.position for p in self.phases)
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _log(self, step: int, metrics: dict) -> None:
-        if self.metrics is not None:
-            self.metrics.log(step, metrics)
+    def hooks_for(self, phase: base.Phase) -> list[base.Hook]:
+        """The hooks after a step of ``phase``: the evaluation every ``phase.eval_every`` steps
+        and after its last, the loop's (log, progress, checkpoint), then the phase's own."""
+        evaluate = base.Hook(
+            "evaluate", self._evaluate_hook, every=phase.eval_every, at_phase_end=True
+        )
+        return [evaluate, *self.hooks, *phase.hooks()]
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the live sampler's policy."""
-        ctx = self.ctx
-        return evaluation.evaluate(
-            self.cfg,
-            ctx.sampler,
-            ctx.tokenizer,
-            ctx.eval_problems,
-            ctx.pool,
-            ctx.reward_fn,
-            block=ctx.row_block,
-        )
+        c = self.cfg
+        return evaluation.evaluate(self.ctx, c.eval, c.sampler, seed=c.run.seed)
 
-    def _evaluate_if_due(self, phase: base.Phase) -> dict[str, float]:
-        """The evaluation hook after a step: every ``phase.eval_every`` steps and after the
-        phase's last (which first hands the sampler the final weights, ``Phase.finish``)."""
-        every = phase.eval_every
-        if not (phase.done or (every and phase.position % every == 0)):
-            return {}
-        if phase.done:
-            phase.finish()
+    def _evaluate_hook(self, info: base.StepInfo) -> None:
+        """Evaluates, adds the metrics to the step's line, and records them (the evaluation after
+        a phase's last step follows ``Phase.finish``, which hands the sampler its weights)."""
+        phase = info.phase
         ev = self.evaluate()
+        info.metrics.update(ev)
         self.loop.eval_history.append({"phase": phase.name, "step": phase.position, **ev})
         if phase.done:
             self.loop.phase_evals[phase.name] = ev
             log(
                 f"after {phase.name}: held-out accuracy {ev.get('eval/accuracy', float('nan')):.3f}"
             )
-        return ev
 
-    def _checkpoint_due(self, phase: base.Phase, stopping: bool) -> bool:
-        every = self.cfg.checkpoint.every
-        return stopping or phase.done or bool(every and phase.position % every == 0)
+    def _log_hook(self, info: base.StepInfo) -> None:
+        if self.metrics is not None:
+            self.metrics.log(info.step, info.metrics)
+
+    def _progress_hook(self, info: base.StepInfo) -> None:
+        self.progress.update(1)
+        self.progress.set_postfix(
+            **info.phase.postfix(info.metrics), eval_acc=self._last_accuracy()
+        )
+
+    def _checkpoint_hook(self, info: base.StepInfo) -> None:
+        self._save()
 
     def _save(self) -> None:
         phase = self.phase
@@ -268,7 +242,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
-        progress = tqdm(
+        self.progress = tqdm(
             total=sum(p.total_steps for p in self.phases),
             initial=self.global_step,
             disable=not self.cfg.run.progress,
@@ -281,25 +255,25 @@ class Trainer:
             first = self.phases[0]
             if self.global_step == 0 and self.cfg.eval.at_start and first.eval_every is not None:
                 self.loop.phase_evals["start"] = ev = self.evaluate()
-                self._log(0, ev)
+                self._log_hook(base.StepInfo(first, 0, ev))
             while not stopping:
                 phase = self.phase
                 if not phase.done:
                     phase.begin()
                 while not phase.done and not stopping:
                     m = phase.step()
-                    m.update(self._evaluate_if_due(phase))
-                    self._log(self.global_step, m)
-                    progress.update(1)
-                    progress.set_postfix(**phase.postfix(m), eval_acc=self._last_accuracy())
-                    if phase.done and phase is not self.phases[-1]:
-                        self._advance(phase)
+                    if phase.done:
+                        phase.finish()  # the sampler gets the phase's final weights
+                        if phase is not self.phases[-1]:
+                            self._advance(phase)
                     stopping = stop.should_stop(self.global_step)
-                    if self._checkpoint_due(phase, stopping):
-                        self._save()
+                    info = base.StepInfo(phase, self.global_step, m, stopping)
+                    for hook in self.hooks_for(phase):
+                        if hook.due(info):
+                            hook.fn(info)
                 if phase is self.phases[-1]:
                     break
-        progress.close()
+        self.progress.close()
         if stopping:
             log(
                 f"{stop.requested}: saved checkpoint step {self.global_step} and stopped; "
@@ -316,16 +290,21 @@ class Trainer:
     def _summary(self, wall_s: float) -> dict[str, Any]:
         loop = self.loop
         final = loop.eval_history[-1] if loop.eval_history else self.evaluate()
-        warm = loop.phase_evals.get("sft", loop.phase_evals.get("start")) or {}
-        steps = {p.name: p.position for p in self.phases}
-        sft_steps = steps.get("sft", 0)  # the warm start's; "rl_steps" counts the others'
+        start = loop.phase_evals.get("start") or {}
+        # Each phase fills its own fields (``Phase.summary``) over these defaults.
+        fields = {
+            "algo": "none",
+            "sft_steps": 0,
+            "rl_steps": 0,
+            "eval_accuracy_after_sft": start.get("eval/accuracy"),
+        }
+        for p in self.phases:
+            fields.update(p.summary(loop.phase_evals))
         summary = {
             "run_dir": os.path.abspath(self.run_dir),
-            "algo": self.cfg.rl.algo,
-            "steps": steps,
-            "sft_steps": sft_steps,
-            "rl_steps": self.global_step - sft_steps,
-            "eval_accuracy_after_sft": warm.get("eval/accuracy"),
+            "algo": fields.pop("algo"),
+            "steps": {p.name: p.position for p in self.phases},
+            **fields,
             "eval_accuracy_final": final.get("eval/accuracy"),
             "eval_format_rate_final": final.get("eval/format_rate"),
             "eval_history": loop.eval_history,
@@ -339,10 +318,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        ctx = self.ctx
-        closers = [p.close for p in self.phases] + [ctx.pool.close]
-        if ctx.sampler_started:
-            closers.append(ctx.sampler.close)
+        closers = [p.close for p in self.phases] + [self.ctx.close]
         if self.metrics is not None:
             closers.append(self.metrics.close)
         for close in closers:
@@ -360,8 +336,8 @@ def run(
     """
     compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
     compile_cache.process_counter().start()
-    placement.place_trainer(cfg.sampler)  # before jax.process_index() starts the backend
-    distributed.initialize(cfg.distributed)  # likewise (a no-op for one process)
+    # Placement and jax.distributed, once: before jax.process_index() starts the backend.
+    assembly.start_backend(cfg)
     cfg = preflight.check(
         cfg, mode="train", resume=resume, overwrite=overwrite and jax.process_index() == 0
     )

@@ -20,6 +20,7 @@ import numpy as np
 from jaxrlvr import builders, export, rollout
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
+from jaxrlvr import prompts as prompt_lib
 from jaxrlvr.algos import engine
 
 
@@ -34,8 +35,8 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
         fn = jax.jit(lambda b: engine.token_logprobs(lm, b)[0])
         out = []
         for i in range(0, len(prompts), 256):
-            p = [builders.encode(tok, x) for x in prompts[i : i + 256]]
-            r = [builders.encode(tok, x) + [tok.eos_token_id] for x in responses[i : i + 256]]
+            p = [prompt_lib.encode(tok, x) for x in prompts[i : i + 256]]
+            r = [prompt_lib.encode(tok, x) + [tok.eos_token_id] for x in responses[i : i + 256]]
             b = rollout.to_batch(rollout.pack(p, r, pad_id=tok.pad_token_id, max_length=64))
             logp, m = np.asarray(fn(b)), np.asarray(b.loss_mask) > 0
             out += [logp[j][m[j]] for j in range(len(p))]
@@ -44,7 +45,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     def measure(lm):
         gold = response_logps(
             lm,
-            [builders.render(cfg, p, tok) for p in heldout],
+            [prompt_lib.render(cfg.data.template, p, tok) for p in heldout],
             [cfg.data.gold_format.replace("{answer}", p.answer) for p in heldout],
         )
         acc = float(np.mean([np.exp(g.sum()) for g in gold]))
@@ -54,7 +55,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
         return acc, chosen, rejected
 
     def parts(pair, x):
-        a, b = builders.encode(tok, pair["chosen"]), builders.encode(tok, pair["rejected"])
+        a, b = prompt_lib.encode(tok, pair["chosen"]), prompt_lib.encode(tok, pair["rejected"])
         k = 0
         while k < min(len(a), len(b)) and a[k] == b[k]:
             k += 1

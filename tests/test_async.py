@@ -87,7 +87,7 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(tmp_path):
     try:
         trainer.run()
         got = _host_params(trainer.state.params)
-        assert trainer.phase.producer is None
+        assert trainer.phase.source.producer is None
     finally:
         trainer.close()
 
@@ -140,8 +140,8 @@ def k1_run(tmp_path_factory):
         params = {0: jax.device_get(trainer.state.params)}
         for t in range(4):
             if t == 2:
-                out["batch"] = trainer.phase.producer.peek(2)
-            out["metrics"].append(trainer.phase.rl_step())
+                out["batch"] = trainer.phase.source.producer.peek(2)
+            out["metrics"].append(trainer.phase.step())
             params[t + 1] = jax.device_get(trainer.state.params)
         out["params"] = params
         out["graphdef"] = trainer.ctx.graphdef

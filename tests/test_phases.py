@@ -11,7 +11,7 @@ import test_train
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import interrupt, phases, train
-from jaxrlvr.phases import base, preference, rl, sft
+from jaxrlvr.phases import base, preference, rl, sft, tool
 
 # test_train's tiny run, on the 8 fake devices of tests/conftest.py.
 TINY = [*test_train.TINY, "mesh.data=8"]
@@ -30,6 +30,9 @@ def _cfg(*overrides):
         (["sft.steps=0", "rl.algo=dpo", "pref.data=x.jsonl"], [preference.PreferencePhase]),
         (["sft.steps=3", "rl.algo=none"], [sft.SFTPhase]),
         (["sft.steps=0", "rl.algo=none"], [sft.SFTPhase]),  # an SFT-only run of 0 steps
+        # Tool use: its own phases (warm start on written traces, RL on multi-turn rollouts).
+        (["sft.steps=3", "rl.algo=grpo", "env.tools=[python]"], [tool.ToolSFTPhase, tool.ToolPhase]),
+        (["sft.steps=0", "rl.algo=ppo", "env.tools=[python]"], [tool.ToolPhase]),
     ],
 )
 def test_plan_chooses_the_phases_from_the_config(overrides, want):
@@ -44,6 +47,7 @@ class _Counting(base.Phase):
     record's (a real TrainState, so checkpoints save and restore it)."""
 
     algorithm_phase = "sft"
+    sections = ("sft",)
     steps = 0
     every = None
 

@@ -197,22 +197,26 @@ def test_jax_holding_every_gpu_is_a_clear_error():
     placement.check_jax_devices(p, fake_devices(8, "cpu"))
 
 
-def test_trainer_applies_the_placement_before_jax_starts(monkeypatch, tmp_path):
-    """Trainer.__init__ places itself first and checks JAX's devices before building the mesh."""
-    from jaxrlvr import train
+def test_the_run_places_itself_once_before_jax_starts(monkeypatch, tmp_path):
+    """``train.run`` places the process, joins the job and checks JAX's devices once
+    (``assembly.start_backend``), before preflight starts JAX and before the mesh is built; the
+    Trainer's assembly does not place again."""
+    from jaxrlvr import distributed, preflight, train
 
     calls = []
     monkeypatch.setattr(placement, "place_trainer", lambda s: calls.append("place") or PLAN2)
+    monkeypatch.setattr(distributed, "initialize", lambda d: calls.append("distributed"))
     monkeypatch.setattr(placement, "check_jax_devices", lambda p: calls.append(("check", p)))
+    monkeypatch.setattr(preflight, "check", lambda cfg, **kw: calls.append("preflight") or cfg)
 
     def stop(cfg, devices=None):
         calls.append("mesh")
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(train.model_lib, "make_mesh", stop)
+    monkeypatch.setattr(train.assembly.model_lib, "make_mesh", stop)
     with pytest.raises(RuntimeError, match="stop here"):
-        train.Trainer(config_lib.TrainConfig(run=config_lib.RunConfig(out_dir=str(tmp_path))))
-    assert calls == ["place", ("check", PLAN2), "mesh"]
+        train.run(config_lib.TrainConfig(run=config_lib.RunConfig(out_dir=str(tmp_path))))
+    assert calls == ["place", "distributed", ("check", PLAN2), "preflight", "mesh"]
 
 
 PLAN2 = placement.Placement(device="cuda", server_gpus=(("1",),), trainer_gpus=("0",))

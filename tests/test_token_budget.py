@@ -191,9 +191,9 @@ def test_budget_on_eight_batch_shards_runs_the_record_of_its_count(tmp_path):
         trainer = train.Trainer(cfg)
         try:
             start = jax.device_get(trainer.state.params)
-            metrics = [trainer.phase.rl_step() for _ in range(2)]
+            metrics = [trainer.phase.step() for _ in range(2)]
             if name == "budget":
-                rl = trainer.phase
+                rl = trainer.phase.learner
                 assert rl.compiled_for(2) is rl.compiled_for(2)
                 assert rl.compiled_for(2) is not rl.compiled  # the configured 1's
                 assert rl.compiled_for(2).state_shardings is rl.compiled.state_shardings

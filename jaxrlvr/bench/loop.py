@@ -224,12 +224,14 @@ def update_gflop(config: str, sets: list[str]) -> dict[str, float]:
     the mean rendered prompt tokens, and ``flops_per_token`` at rows of prompt + max_tokens."""
     from jaxrlvr import builders
     from jaxrlvr import config as config_lib
+    from jaxrlvr import prompts as prompt_lib
 
     cfg = config_lib.load_config(config, list(sets))
     tokenizer = builders.build_tokenizer(cfg)
     problems, _ = builders.load_splits(cfg)
     prompt = statistics.fmean(
-        len(builders.encode(tokenizer, builders.render(cfg, p, tokenizer))) for p in problems
+        len(prompt_lib.encode(tokenizer, prompt_lib.render(cfg.data.template, p, tokenizer)))
+        for p in problems
     )
     model_cfg = builders.model_config(cfg, tokenizer)
     return {

@@ -91,11 +91,14 @@ def hf_evaluate(cfg, model, tokenizer, eval_problems, grade, stop_ids) -> float:
     config's verifier; the mean answer reward (avg@k), as ``evaluation.evaluate`` reports."""
     import torch
 
-    from jaxrlvr import builders
+    from jaxrlvr import prompts as prompt_lib
 
     problems = eval_problems[: cfg.eval.max_problems]
     n, s = cfg.eval.samples_per_problem, cfg.sampler
-    prompts = [builders.encode(tokenizer, builders.render(cfg, p, tokenizer)) for p in problems]
+    prompts = [
+        prompt_lib.encode(tokenizer, prompt_lib.render(cfg.data.template, p, tokenizer))
+        for p in problems
+    ]
     width = max(len(x) for x in prompts)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
@@ -129,13 +132,13 @@ def sft(cfg, model, tokenizer, problems, out: str):
     import datasets
     import trl
 
-    from jaxrlvr import builders
+    from jaxrlvr import prompts as prompt_lib
     from jaxrlvr.data import templates
 
     o = cfg.sft.optim
     rows = [
         {
-            "prompt": builders.render(cfg, p, tokenizer),
+            "prompt": prompt_lib.render(cfg.data.template, p, tokenizer),
             "completion": templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
         }
         for p in problems
@@ -190,6 +193,7 @@ def main(argv=None) -> int:
 
     from jaxrlvr import builders, evaluation
     from jaxrlvr import config as config_lib
+    from jaxrlvr import prompts as prompt_lib
     from jaxrlvr.bench import common
 
     cfg = config_lib.load_config(args.config, list(args.set))
@@ -197,7 +201,10 @@ def main(argv=None) -> int:
     tokenizer = builders.build_tokenizer(cfg)
     problems, _ = builders.load_splits(cfg)
     data = datasets.Dataset.from_list(
-        [{"prompt": builders.render(cfg, p, tokenizer), "answer": p.answer} for p in problems]
+        [
+            {"prompt": prompt_lib.render(cfg.data.template, p, tokenizer), "answer": p.answer}
+            for p in problems
+        ]
     )
     grade = builders.build_reward_fn(cfg)
 

@@ -101,12 +101,6 @@ class Trajectory(base.Completion):
             raise ValueError(f"end_reason must be one of {END_REASONS}, got {self.end_reason!r}")
 
 
-def completion_from_dict(d: dict) -> base.Completion:
-    """A completion from its ``dataclasses.asdict`` form: a ``Trajectory`` when it has the
-    multi-turn fields, else a plain ``Completion`` (async rollouts' checkpoints)."""
-    return (Trajectory if "end_reason" in d else base.Completion)(**d)
-
-
 @dataclasses.dataclass
 class _Rollout:
     prompt_index: int

@@ -20,6 +20,7 @@ Not here: which phases a run has (``phases.plan``) and the loop itself (``train`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -28,8 +29,8 @@ from typing import Any, ClassVar
 import jax
 from flax import nnx
 
-from jaxrlvr import builders, methods
 from jaxrlvr import config as config_lib
+from jaxrlvr import methods, prompts
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import step as step_lib
@@ -38,22 +39,47 @@ from jaxrlvr.rewards import grading, verifiers
 
 
 @dataclasses.dataclass(eq=False)
-class RunContext:
-    """The run's components, built once (``train.Trainer``) and shared by its phases.
+class Grader:
+    """The run's reward function and the grading pool that runs it time-bounded.
 
-    Attributes:
-      train_problems: this process's training problems (its data shards', in shard order).
-      train_shards: the data shards this process reads, by shard index.
-      num_shards: the run's number of data shards (``builders.data_shards``).
-      row_block: (this process's row block, the number of blocks) (``step.process_row_block``).
-      current_params: the live policy parameters (the current phase's state's), which a sampler
-        started on first use begins with.
+    The pool serves one call at a time (the async producer grades the difficulty filter's
+    candidates on its own thread), hence the lock.
     """
 
-    cfg: config_lib.TrainConfig
+    reward_fn: verifiers.RewardFn
+    pool: grading.GradingPool
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
+        """(scores, stats) of ``n`` completions per problem (problem-major)."""
+        truths = [p.answer for p in problems for _ in range(n)]
+        with self._lock:
+            return self.pool.grade(self.reward_fn, texts, truths)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@dataclasses.dataclass(eq=False)
+class RunContext:
+    """The run's components, assembled once (``assembly.assemble``) and shared by its phases.
+
+    It holds no config: a phase reads its own sections (``Phase.sections``).
+
+    Attributes:
+      template: the prompt template (``data.template``) that renders a problem for the policy.
+      train_problems: this process's training problems (its data shards', in shard order).
+      train_shards: the data shards this process reads, by shard index.
+      num_shards: the run's number of data shards (``assembly.data_shards``).
+      row_block: (this process's row block, the number of blocks) (``step.process_row_block``).
+      sampler: the rollout sampler, started when the run is assembled (on the initial weights;
+        every phase hands it its weights before it samples).
+    """
+
     run_dir: str
     mesh: jax.sharding.Mesh
     tokenizer: Any
+    template: str
     model_cfg: model_lib.ModelConfig
     graphdef: nnx.GraphDef
     params_shape: nnx.State
@@ -62,64 +88,160 @@ class RunContext:
     num_shards: int
     eval_problems: list[loading.Problem]
     row_block: tuple[int, int]
-    reward_fn: verifiers.RewardFn
-    pool: grading.GradingPool
-    current_params: Callable[[], nnx.State]
-    _sampler: Any = None
-    # The grading pool serves one call at a time (the async producer grades the difficulty
-    # filter's candidates on its own thread).
-    _grade_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    grader: Grader
+    sampler: Any
 
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
 
-    @property
-    def sampler(self):
-        """The rollout sampler, started on first use on the live parameters."""
-        if self._sampler is None:
-            model = nnx.merge(self.graphdef, self.current_params())
-            self._sampler = builders.build_sampler(
-                self.cfg, model, self.tokenizer, self.mesh, self.run_dir
-            )
-        return self._sampler
-
-    @property
-    def sampler_started(self) -> bool:
-        return self._sampler is not None
+    def render(self, problem: loading.Problem) -> str:
+        """The problem's prompt text, as the policy sees it."""
+        return prompts.render(self.template, problem, self.tokenizer)
 
     def encode_prompts(self, problems: list[loading.Problem]) -> list[list[int]]:
         """The problems' rendered prompts as token ids."""
-        cfg, tok = self.cfg, self.tokenizer
-        return builders.encode_many(tok, [builders.render(cfg, p, tok) for p in problems])
+        return prompts.encode_many(self.tokenizer, [self.render(p) for p in problems])
 
-    def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
-        """(scores, stats) of ``n`` completions per problem (problem-major) by the run's grader."""
-        truths = [p.answer for p in problems for _ in range(n)]
-        with self._grade_lock:
-            return self.pool.grade(self.reward_fn, texts, truths)
+    def close(self) -> None:
+        """Stops the sampler and the grading pool (each even if the other fails)."""
+        for close in (self.sampler.close, self.grader.close):
+            with contextlib.suppress(Exception):
+                close()
+
+
+class Sections:
+    """The config sections a phase declared (``Phase.sections``), read as ``cfg.<section>``;
+    reading any other section is an error naming the phase, so what a phase reads is listed in
+    one place."""
+
+    def __init__(self, cfg: config_lib.TrainConfig, names: tuple[str, ...], owner: str):
+        self._cfg, self._names, self._owner = cfg, frozenset(names), owner
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self._names:
+            raise AttributeError(
+                f"phase {self._owner!r} reads config section {name!r}, which is not one of its "
+                f"sections {sorted(self._names)}"
+            )
+        return getattr(self._cfg, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGeometry:
+    """One step's batch of a phase, as the mesh and the data shards must split it.
+
+    Attributes:
+      rows: rows per step (unpacked: the sequences; packed: at most that many rows).
+      rows_key: the config keys that set ``rows`` (for messages).
+      microbatches: the update's microbatches; section: the config section that sets them.
+      packed: whether the rows are packed (their count is rounded up to a multiple of
+        microbatches x batch shards, so only a multiple above ``rows`` is refused).
+      per_shard: (count, key) that every data shard's share must divide, or None.
+    """
+
+    rows: int
+    rows_key: str
+    microbatches: int
+    section: str
+    packed: bool
+    per_shard: tuple[int, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """A data file a phase reads: its config key, its value, and the batch it must fill."""
+
+    key: str
+    path: str
+    batch: int
+    batch_key: str
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees after a step: the phase that stepped, the run's step count, the step's
+    metrics (a hook may add to them: the evaluation's land in the same line), and whether the
+    run stops after this step."""
+
+    phase: Phase
+    step: int
+    metrics: dict[str, float]
+    stopping: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """Periodic work after a step, registered as data (levanter's ``add_hook(fn, every=N)``).
+
+    ``fn(info)`` runs after a step of the phase when its step count is a multiple of ``every``
+    (None or 0: never by count), after the phase's last step when ``at_phase_end``, and on an
+    agreed stop when ``on_stop``. The loop's hooks run in registration order, then the phase's
+    own (``Phase.hooks``)."""
+
+    name: str
+    fn: Callable[[StepInfo], None]
+    every: int | None = 1
+    at_phase_end: bool = False
+    on_stop: bool = False
+
+    def due(self, info: StepInfo) -> bool:
+        phase = info.phase
+        return bool(
+            (self.every and phase.position % self.every == 0)
+            or (self.at_phase_end and phase.done)
+            or (self.on_stop and info.stopping)
+        )
 
 
 class Phase:
     """One training phase: its record, state, batch source and position; one ``step`` at a time.
 
-    Subclasses set ``name`` (the phase's key in checkpoints and metrics), ``algorithm_phase`` (the
-    record ``methods.make_algorithm`` builds for it) and implement ``step``; the rest has
-    defaults.
+    A phase owns what is its own, as class-level answers the run asks before anything is built
+    (``wanted``, ``geometry``, ``check``, ``data_files``) and as the parts of the run's summary
+    it fills (``summary``). Subclasses set ``name`` (the phase's key in checkpoints and metrics),
+    ``sections`` (the config sections it reads: ``self.cfg`` holds only these),
+    ``algorithm_phase`` (the record ``methods.make_algorithm`` builds for it) and implement
+    ``step``; the rest has defaults.
     """
 
     name: ClassVar[str]
     algorithm_phase: ClassVar[str]
+    sections: ClassVar[tuple[str, ...]]
     # Whether the phase samples completions of the training prompts (their lengths are checked
     # against the model's positions before the run starts).
     samples_train_prompts: ClassVar[bool] = False
+    # ``wrap(cfg, sampler, tokenizer)``: the run's sampler as this phase needs it (the tool-use
+    # phases': multi-turn); the assembly applies each distinct wrapper of the run's phases once.
+    sampler_wrapper: ClassVar[Callable[[config_lib.TrainConfig, Any, Any], Any] | None] = None
 
-    def __init__(self, ctx: RunContext):
+    def __init__(self, ctx: RunContext, cfg: config_lib.TrainConfig):
         self.ctx = ctx
-        self.cfg = ctx.cfg
+        self.cfg = Sections(cfg, self.sections, self.name)
         self.position = 0  # steps done
         self.state = None
         self.compiled: step_lib.CompiledAlgorithm | None = None
+
+    # -- what the run asks the phase before it is built -------------------------------------------
+    @classmethod
+    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+        """Whether a run of ``cfg`` has this phase (``phases.plan`` asks each phase of the plan)."""
+        raise NotImplementedError
+
+    @classmethod
+    def geometry(cls, cfg: config_lib.TrainConfig) -> BatchGeometry | None:
+        """The phase's batch per step (None: no steps), checked against the mesh and the data
+        shards before anything is built."""
+        return None
+
+    @classmethod
+    def check(cls, cfg: config_lib.TrainConfig, *, processes: int) -> None:
+        """One-line config error when the phase cannot run ``cfg`` in a job of ``processes``."""
+
+    @classmethod
+    def data_files(cls, cfg: config_lib.TrainConfig) -> list[DataFile]:
+        """The data files the phase reads, checked (exist, parse, fill a batch) by preflight."""
+        return []
 
     # -- what the loop reads --------------------------------------------------------------------
     @property
@@ -135,9 +257,18 @@ class Phase:
         """Evaluate after every this many steps of the phase (None: only after its last)."""
         return None
 
+    def hooks(self) -> list[Hook]:
+        """The phase's own hooks, run after the loop's."""
+        return []
+
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         """The progress bar's fields after a step."""
         return {"phase": self.name}
+
+    def summary(self, evals: dict[str, dict]) -> dict[str, Any]:
+        """The phase's fields of the run's summary; ``evals``: the held-out evaluation after each
+        finished phase, by name ("start": before any step)."""
+        return {}
 
     # -- record and state -------------------------------------------------------------------------
     def make_algorithm(self, microbatches: int | None = None) -> algorithm_lib.Algorithm:
@@ -205,3 +336,6 @@ class RLStepsPhase(Phase):
     def postfix(self, metrics):
         reward = metrics.get(self.reward_metric, float("nan"))
         return {"phase": self.cfg.rl.algo, "reward": f"{reward:.2f}"}
+
+    def summary(self, evals):
+        return {"algo": self.cfg.rl.algo, "rl_steps": self.position}

@@ -16,18 +16,54 @@ import time
 import jax
 import numpy as np
 
-from jaxrlvr import builders, rollout
+from jaxrlvr import config as config_lib
+from jaxrlvr import configlib, preflight, prompts, rollout
 from jaxrlvr.algos import preference
 from jaxrlvr.data import iterators, loading
 from jaxrlvr.phases import base
 
-log = builders.log
+log = prompts.log
 
 
 class PreferencePhase(base.RLStepsPhase):
     name = "preference"
     algorithm_phase = "rl"
     reward_metric = "reward_accuracy"
+    sections = ("rl", "pref", "optim", "data", "run", "eval")
+
+    @classmethod
+    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+        return cfg.rl.preference
+
+    @classmethod
+    def geometry(cls, cfg):
+        if cfg.rl.steps <= 0:
+            return None
+        # Stacked pair rows: each half (the pairs) is split over microbatches and shards.
+        return base.BatchGeometry(
+            rows=cfg.pref.batch_size,
+            rows_key="pref.batch_size",
+            microbatches=cfg.rl.microbatches,
+            section="rl",
+            packed=False,
+        )
+
+    @classmethod
+    def check(cls, cfg, *, processes):
+        if processes > 1:
+            raise configlib.ConfigKeyError(
+                f"rl.algo={cfg.rl.algo}: the offline preference phase runs in one process only"
+            )
+
+    @classmethod
+    def data_files(cls, cfg):
+        if cfg.rl.steps <= 0:
+            return []
+        if cfg.pref.data is None:
+            raise preflight.PreflightError(
+                f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)"
+            )
+        return [base.DataFile("pref.data", cfg.pref.data, cfg.pref.batch_size, "pref.batch_size")]
 
     def prepare(self, batch):
         batch, metrics = self.compiled.prepare(self.state, batch)
@@ -59,8 +95,8 @@ class PreferencePhase(base.RLStepsPhase):
         prompts, responses = [], []
         for side in (1, 2):
             for pair in pairs:
-                p = builders.encode(tok, pair[0])[: limit - 1]
-                r = builders.encode(tok, pair[side]) + [eos]
+                p = prompts.encode(tok, pair[0])[: limit - 1]
+                r = prompts.encode(tok, pair[side]) + [eos]
                 prompts.append(p)
                 responses.append(r[: max(limit - len(p), 0)])
         packed = rollout.pack(prompts, responses, pad_id=self.ctx.pad_id, max_length=limit)

@@ -3,8 +3,8 @@
 Pairs are the training problems' gold responses (``sft.data: gold``, rendered in
 ``data.gold_format``) or rows of a jsonl file read with ``datasets``. A step is the next
 ``sft.batch_size`` pairs (prompt + response + EOS, packed or padded, cut to the model's context) ->
-the compiled prepare -> update. With ``env.tools`` a response is a written tool-use trace whose
-tool outputs are kept out of the loss (``SFTPhase.response``). The data order is derived from
+the compiled prepare -> update. (With ``env.tools`` a response is a written tool-use trace whose
+tool outputs are kept out of the loss: ``tool.ToolSFTPhase``.) The data order is derived from
 ``run.seed`` and fast-forwarded on resume, so the position is the step count alone. After the
 last step the sampler receives the weights (the held-out evaluation after the warm start samples
 from them).
@@ -16,15 +16,44 @@ import time
 
 import jax
 
-from jaxrlvr import builders, rollout
+from jaxrlvr import config as config_lib
+from jaxrlvr import prompts, rollout
+from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, shards, templates
-from jaxrlvr.envs import base as envs_base
 from jaxrlvr.phases import base
 
 
 class SFTPhase(base.Phase):
     name = "sft"
     algorithm_phase = "sft"
+    sections = ("sft", "data", "run")
+
+    @classmethod
+    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+        """A warm start when ``sft.steps`` > 0, and the whole of an SFT-only run (``rl.algo:
+        none``)."""
+        return cfg.sft.steps > 0 or cfg.rl.algo == "none"
+
+    @classmethod
+    def geometry(cls, cfg):
+        sft = cfg.sft
+        if sft.steps <= 0 and cfg.rl.algo != "none":
+            return None
+        return base.BatchGeometry(
+            rows=sft.batch_size,
+            rows_key="sft.batch_size",
+            microbatches=sft.microbatches,
+            section="sft",
+            packed=sft.packing,
+            per_shard=(sft.batch_size, "sft.batch_size") if sft.steps > 0 else None,
+        )
+
+    @classmethod
+    def data_files(cls, cfg):
+        sft = cfg.sft
+        if sft.data == "gold":  # the training problems' gold responses
+            return [base.DataFile("data.train", cfg.data.train, sft.batch_size, "sft.batch_size")]
+        return [base.DataFile("sft.data", sft.data, sft.batch_size, "sft.batch_size")]
 
     @property
     def total_steps(self) -> int:
@@ -33,13 +62,19 @@ class SFTPhase(base.Phase):
     def postfix(self, metrics):
         return {"phase": "sft", "loss": f"{metrics.get('sft/loss', float('nan')):.3f}"}
 
+    def summary(self, evals):
+        out = {"sft_steps": self.position}
+        if "sft" in evals:
+            out["eval_accuracy_after_sft"] = evals["sft"].get("eval/accuracy")
+        return out
+
     def examples(self) -> list[loading.Problem]:
         """SFT pairs as Problems (question = prompt text, answer = response text)."""
         cfg, ctx = self.cfg, self.ctx
         if cfg.sft.data == "gold":
             return [
                 loading.Problem(
-                    question=builders.render(cfg, p, ctx.tokenizer),
+                    question=ctx.render(p),
                     answer=templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
                     id=p.id,
                 )
@@ -54,7 +89,7 @@ class SFTPhase(base.Phase):
                 continue
             examples.append(loading.Problem(question=prompt, answer=response, id=f"sft-{i}"))
         if skipped:
-            builders.log(f"{cfg.sft.data}: skipped {skipped} rows without a prompt and response")
+            prompts.log(f"{cfg.sft.data}: skipped {skipped} rows without a prompt and response")
         if not examples:
             raise ValueError(f"sft.data={cfg.sft.data!r}: no usable prompt/response rows")
         return examples
@@ -82,28 +117,17 @@ class SFTPhase(base.Phase):
         )
 
     def responses(self, texts: list[str]) -> list[tuple[list[int], list[float] | None]]:
-        """Each response's token ids + EOS and, with ``env.tools``, its loss weights: the tool
-        outputs of a written trace (``envs.split_trace``) are tokenized on their own, as a
-        rollout appends them, and weigh 0, so SFT trains on what the model writes only."""
+        """Each response's token ids + EOS, and its loss weights (None: every token counts;
+        the tool-use warm start weighs a trace's tool outputs 0, ``tool.ToolSFTPhase``)."""
         tok = self.ctx.tokenizer
-        if not self.cfg.env.tools:
-            return [(ids + [tok.eos_token_id], None) for ids in builders.encode_many(tok, texts)]
-        out = []
-        for text in texts:
-            ids, weights = [], []
-            for piece, from_env in envs_base.split_trace(text):
-                piece_ids = builders.encode(tok, piece)
-                ids += piece_ids
-                weights += [0.0 if from_env else 1.0] * len(piece_ids)
-            out.append((ids + [tok.eos_token_id], weights + [1.0]))
-        return out
+        return [(ids + [tok.eos_token_id], None) for ids in prompts.encode_many(tok, texts)]
 
     def batch(self, examples: list[loading.Problem]):
         """The host batch of ``examples``: prompt + response + EOS, cut to the context."""
         ctx = self.ctx
         limit = ctx.model_cfg.max_position_embeddings
         prompts, responses, weights = [], [], []
-        questions = builders.encode_many(ctx.tokenizer, [ex.question for ex in examples])
+        questions = prompts.encode_many(ctx.tokenizer, [ex.question for ex in examples])
         answers = self.responses([ex.answer for ex in examples])
         for p, (r, w) in zip(questions, answers, strict=True):
             prompts.append(p[: limit - 1])
@@ -118,8 +142,8 @@ class SFTPhase(base.Phase):
             max_length=limit,
             segments=sft.packing,
             row_tokens=sft.max_tokens_per_row,
-            row_multiple=sft.microbatches * builders.batch_shards(ctx.mesh),
-            loss_weights=weights if self.cfg.env.tools else None,
+            row_multiple=sft.microbatches * step_lib.batch_shard_count(ctx.mesh),
+            loss_weights=weights if any(w is not None for _, w in answers) else None,
         )
         return rollout.to_batch(packed)
 

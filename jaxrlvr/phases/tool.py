@@ -1,39 +1,94 @@
-"""The tool-use RL phase: the RL phase on multi-turn rollouts (``env.tools``).
+"""The tool-use phases: RL on multi-turn tool-use rollouts (``env.tools``) and its warm start.
 
-The run's sampler is an ``envs.MultiTurnSampler`` (``builders.build_sampler`` wraps the engine
-when ``env.tools`` is set), so a rollout is a trajectory of model turns and tool outputs, stored
-as one completion whose tool tokens are flagged as not sampled. Everything after sampling is the
-RL phase's own path: grading (the task's verifier on the whole trajectory's text), shaping and
-packing (tool tokens are out of the loss mask), GRPO / PPO advantages over the whole trajectory,
-the off-policy corrections against the sampler's log-probs of the model tokens, asynchronous
-rollouts and checkpoints. This phase adds what only trajectories have: the environments get the
-problems at reset, the environment's step rewards are added to the verifier's, and the step's
-metrics carry turns, tool calls, tool errors and time, and how rollouts ended (``tool/...``).
+The run's sampler is wrapped into an ``envs.MultiTurnSampler`` (``multi_turn_sampler``: the
+phases' ``sampler_wrapper``, which the run's assembly applies), so a rollout is a trajectory of
+model turns and tool outputs, stored as one completion whose tool tokens are flagged as not
+sampled. ``ToolPhase`` is the RL phase with the multi-turn rollout source
+(``sources.MultiTurnSource``: the environments get the problems at reset, their step rewards
+add to the verifier's, the step's metrics carry turns, tool calls and errors, tool time and
+how rollouts ended, ``tool/...``); everything after sampling is the RL phase's own path:
+grading, shaping and packing (tool tokens are out of the loss mask), GRPO / PPO advantages over
+the whole trajectory, the off-policy corrections against the sampler's log-probs of the model
+tokens, asynchronous rollouts and checkpoints. ``ToolSFTPhase`` is the SFT warm start on written
+tool-use traces.
 """
 
 from __future__ import annotations
 
-from jaxrlvr.envs import rollout as env_rollout
-from jaxrlvr.phases import rl
+from jaxrlvr import config as config_lib
+from jaxrlvr import configlib, prompts
+from jaxrlvr.envs import base as envs_base
+from jaxrlvr.phases import rl, sft, sources
 
 
-class ToolRLPhase(rl.RLPhase):
-    # The same phase as the RL one for checkpoints and the loop: a run may add tools on resume
-    # only through a config change that preflight reports.
-    name = "rl"
+def multi_turn_sampler(cfg: config_lib.TrainConfig, sampler, tokenizer):
+    """``sampler`` wrapped into an ``envs.MultiTurnSampler`` with ``env.tools`` and its limits
+    (the python tool runs in ``reward.sandbox`` with ``reward.code``'s limits)."""
+    from jaxrlvr import envs
 
-    def sampler_generate(self, problems, prompts, n, params):
-        return self.ctx.sampler.generate(prompts, n, params, problems=problems)
+    e = cfg.env
+    tools = envs.make_tools(e.tools, sandbox=cfg.reward.code.sandbox(cfg.reward.sandbox))
+    limits = envs.TurnLimits(
+        max_turns=e.max_turns,
+        max_tokens_per_turn=e.max_tokens_per_turn or cfg.sampler.max_tokens,
+        max_total_tokens=cfg.sampler.max_tokens,
+    )
 
-    def _grade(self, problems, completions, n):
-        scores, stats = super()._grade(problems, completions, n)
-        for s, c in zip(scores, completions):
-            extra = getattr(c, "env_reward", 0.0)
-            if extra:
-                s["reward"] = s["reward"] + extra
-        return scores, stats
+    def close_tools():
+        for tool in tools:
+            getattr(tool, "close", lambda: None)()
 
-    def sample(self, step_seed, drawn=None):
-        problems, prompts, completions, m = super().sample(step_seed, drawn)
-        m = {**m, **env_rollout.trajectory_metrics(completions, prefix="tool/")}
-        return problems, prompts, completions, m
+    return envs.MultiTurnSampler(
+        sampler,
+        tokenizer,
+        lambda: envs.ToolEnvironment(tools, max_output_chars=e.max_output_chars),
+        limits,
+        num_workers=e.num_workers,
+        on_close=close_tools,
+    )
+
+
+class ToolSFTPhase(sft.SFTPhase):
+    """The warm start of a tool-use run: SFT on written tool-use traces, whose tool outputs
+    (``envs.split_trace``) are tokenized on their own, as a rollout appends them, and weigh 0,
+    so SFT trains on what the model writes only. Its evaluation samples multi-turn rollouts."""
+
+    @classmethod
+    def wanted(cls, cfg):
+        return sft.SFTPhase.wanted(cfg) and bool(cfg.env.tools)
+
+    sampler_wrapper = staticmethod(multi_turn_sampler)
+
+    def responses(self, texts):
+        tok = self.ctx.tokenizer
+        out = []
+        for text in texts:
+            ids, weights = [], []
+            for piece, from_env in envs_base.split_trace(text):
+                piece_ids = prompts.encode(tok, piece)
+                ids += piece_ids
+                weights += [0.0 if from_env else 1.0] * len(piece_ids)
+            out.append((ids + [tok.eos_token_id], weights + [1.0]))
+        return out
+
+
+class ToolPhase(rl.RLPhase):
+    name = "tool"
+    source_cls = sources.MultiTurnSource
+
+    @classmethod
+    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+        return cfg.rl.online and bool(cfg.env.tools)
+
+    @classmethod
+    def check(cls, cfg, *, processes):
+        super().check(cfg, processes=processes)
+        if processes > 1 and cfg.sampler.kind == "jax":
+            # Each turn of the JAX sampler is one program over every process's rows: processes
+            # whose rollouts need different numbers of turns would wait for each other forever.
+            raise configlib.ConfigKeyError(
+                "env.tools with sampler.kind=jax runs in one process only (use sampler.kind=vllm "
+                "for a multi-process job)"
+            )
+
+    sampler_wrapper = staticmethod(multi_turn_sampler)

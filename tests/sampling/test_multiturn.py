@@ -128,15 +128,18 @@ def test_trajectories_survive_a_checkpoint_of_rollouts_in_flight(jax_setup):
     params = base.SamplingParams(max_tokens=48, temperature=1.0, seed=2, stop_token_ids=STOP_IDS)
     out = _multi_turn(sampler, export["tokenizer"]).generate(PROMPTS[:1], 2, params)
     ro = async_rollouts.Rollouts(3, [], [PROMPTS[0]], out, {"tool/turns_mean": 2.0})
-    back = async_rollouts.Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
+    # The multi-turn rollout source restores its batches as trajectories.
+    back = async_rollouts.Rollouts.from_json(
+        json.loads(json.dumps(ro.to_json())), envs.Trajectory
+    )
     assert back.completions == out and all(isinstance(c, envs.Trajectory) for c in back.completions)
     plain = base.Completion(
         prompt_index=0, token_ids=[1], logprobs=[-0.5], text="a", finish_reason="stop"
     )
-    assert (
-        envs.rollout.completion_from_dict(json.loads(json.dumps(dataclasses.asdict(plain))))
-        == plain
-    )
+    single = async_rollouts.Rollouts(3, [], [PROMPTS[0]], [plain], {})
+    assert async_rollouts.Rollouts.from_json(json.loads(json.dumps(single.to_json()))).completions == [
+        plain
+    ]
 
 
 def test_limits_end_rollouts_with_their_reason(jax_setup):

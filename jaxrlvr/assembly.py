@@ -1,0 +1,106 @@
+"""The run assembled once, eagerly, from a ``TrainConfig``: what ``train``, ``eval``, ``pairs``
+and the TRL peer share.
+
+``start_backend`` places vLLM's and JAX's GPUs and joins the job's processes
+(``jax.distributed``): once per process, before anything else starts JAX. ``assemble`` then
+builds, in the order a user would fix their problems, the mesh (checked against every phase's
+batch geometry), the tokenizer, the data splits (every prompt checked against the model's
+positions before any weight is loaded), the model (initial, or a run's checkpoint), the data
+shards of this process, the grader, and the sampler, started now on the model's weights and
+wrapped as the run's phases need it (``Phase.sampler_wrapper``). The result is a
+``phases.base.RunContext``: the phases get it, and the loop closes it.
+
+Not here: the parts themselves (``builders``), the loop (``train``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import jax
+from flax import nnx
+
+from jaxrlvr import builders, distributed, export, phases, placement
+from jaxrlvr import config as config_lib
+from jaxrlvr import model as model_lib
+from jaxrlvr.algos import step as step_lib
+from jaxrlvr.data import shards
+from jaxrlvr.phases import base
+
+Mode = Literal["train", "eval", "pairs"]
+
+
+def start_backend(cfg: config_lib.TrainConfig) -> placement.Placement:
+    """Places the vLLM servers' and JAX's GPUs and joins the job's processes, both before JAX's
+    backend starts, then checks the backend sees the trainer's GPUs. Returns the placement."""
+    plan = placement.place_trainer(cfg.sampler)
+    distributed.initialize(cfg.distributed)  # a no-op for one process
+    placement.check_jax_devices(plan)
+    return plan
+
+
+def assemble(
+    cfg: config_lib.TrainConfig, *, mode: Mode = "train", checkpoint: str | None = None
+) -> tuple[base.RunContext, nnx.State]:
+    """(the run's components, the policy's parameters). ``mode``: "train" builds the initial
+    model and this process's data shards; "eval" and "pairs" load the policy of ``checkpoint``
+    (a run directory; None: the config's initial model) on the whole host, with the held-out
+    or the training split only."""
+    train = mode == "train"
+    devices = builders.device_split(cfg)[0] if train else None
+    mesh = model_lib.make_mesh(cfg.mesh, devices)
+    if train:
+        builders.check_microbatches_fit_mesh(cfg, mesh)
+    tokenizer = builders.build_tokenizer(cfg)
+    if train:
+        model = None
+        positions = builders.model_config(cfg, tokenizer).max_position_embeddings
+    else:
+        purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
+        model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
+        positions = model.config.max_position_embeddings
+    train_problems, eval_problems = builders.load_splits(cfg, train=mode != "eval")
+    # Every prompt fits the model before any weight is loaded or step compiled.
+    plan = phases.plan(cfg)
+    sampled = mode == "pairs" or any(p.samples_train_prompts for p in plan)
+    checked = {
+        "data.train": train_problems if sampled else [],
+        "data.eval": eval_problems[: cfg.eval.max_problems],
+    }
+    builders.check_lengths(cfg, tokenizer, positions, checked)
+    if model is None:
+        model = builders.build_model(cfg, tokenizer, mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    if train:  # multi-process: this process keeps only the training rows of its data shards
+        num_shards, owned = builders.data_shards(cfg, mesh)
+        split = shards.split(train_problems, num_shards, cfg.run.seed)
+        row_block = step_lib.process_row_block(mesh)
+    else:
+        num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
+    grader = base.Grader(*builders.build_grader(cfg))
+    try:
+        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
+        for wrap in dict.fromkeys(c.sampler_wrapper for c in plan if c.sampler_wrapper):
+            sampler = wrap(cfg, sampler, tokenizer)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            grader.close()
+        raise
+    ctx = base.RunContext(
+        run_dir=cfg.run.out_dir,
+        mesh=mesh,
+        tokenizer=tokenizer,
+        template=cfg.data.template,
+        model_cfg=model.config,
+        graphdef=graphdef,
+        params_shape=jax.eval_shape(lambda p: p, params),
+        train_problems=[p for i in owned for p in split[i]],
+        train_shards={i: split[i] for i in owned},
+        num_shards=num_shards,
+        eval_problems=eval_problems,
+        row_block=row_block,
+        grader=grader,
+        sampler=sampler,
+    )
+    return ctx, params

@@ -1,0 +1,269 @@
+"""Rollout sources of the RL phase: where a step's graded rollouts come from.
+
+A source draws the step's problems from the data order (with the difficulty filter twice as
+many candidates), samples ``rl.group_size`` completions per prompt, grades them, feeds the
+curriculum, and, with ``rl.max_staleness`` = k > 0, produces the batches k steps ahead on a
+background thread (``async_rollouts``), checking each batch's weight version against k. It
+hands the learner (``phases.learner``) a ``GradedRollouts`` and knows nothing of losses; it also
+owns the sampler's weights (``sync``: which copy of the parameters the sampler may keep).
+
+Two sources share this interface: ``RolloutSource`` (one completion per sample: the RL phase's)
+and ``MultiTurnSource`` (a multi-turn tool-use trajectory per sample: the tool phase's), whose
+environments get the problems, whose environment rewards add to the verifier's and whose
+trajectories add their own metrics.
+
+Everything random is derived from ``run.seed`` and the step number, so a source resumed from its
+``state_dict`` produces the batches of one never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrlvr import async_rollouts, distributed, prompts
+from jaxrlvr import config as config_lib
+from jaxrlvr import metrics as metrics_lib
+from jaxrlvr.data import iterators, loading, shards
+from jaxrlvr.envs import rollout as env_rollout
+from jaxrlvr.phases import base
+from jaxrlvr.rewards import grading
+from jaxrlvr.sampling import base as sampling_base
+
+
+@dataclasses.dataclass
+class GradedRollouts:
+    """One step's rollouts as the learner receives them.
+
+    Attributes:
+      prompts: the prompts' token ids; completions: ``group_size`` per prompt, prompt-major.
+      scores: the grader's scores of each completion (``reward``, ``answer_reward``, ...).
+      metrics: the source's metrics of the step (filter, grading, async lag, tool use).
+      version: the weight version that sampled the batch when the learner needs its behaviour
+        log-probs (stale batches with ``rl.behaviour_logprobs``), else None.
+      generate_s: seconds the asynchronous generation took (None: sampled in the step).
+    """
+
+    prompts: list[list[int]]
+    completions: list[sampling_base.Completion]
+    scores: list[dict[str, float]]
+    metrics: dict[str, float]
+    version: int | None = None
+    generate_s: float | None = None
+
+
+class RolloutSource:
+    """Single-turn rollouts of the training problems (module docstring).
+
+    Args:
+      ctx: the run (sampler, grader, data shards, prompt rendering).
+      rl, sampler, seed: the ``rl`` and ``sampler`` sections and ``run.seed``.
+    """
+
+    completion_cls: type[sampling_base.Completion] = sampling_base.Completion
+
+    def __init__(
+        self,
+        ctx: base.RunContext,
+        rl: config_lib.RLSection,
+        sampler: config_lib.SamplerSection,
+        seed: int,
+    ):
+        self.ctx, self.rl, self.sampler_cfg, self.seed = ctx, rl, sampler, seed
+        self.iterator = self.make_iterator()
+        self.producer = None
+        if rl.max_staleness > 0:
+            self.producer = async_rollouts.RolloutProducer(
+                self._rollout_job, rl.max_staleness, completion_cls=self.completion_cls
+            )
+
+    def make_iterator(self):
+        ctx, rl = self.ctx, self.rl
+        cls = iterators.CurriculumPromptIterator if rl.curriculum else iterators.PromptIterator
+        if ctx.num_shards == 1:
+            return cls(ctx.train_problems, rl.prompts_per_step, seed=self.seed)
+        per_shard = rl.prompts_per_step // ctx.num_shards
+        return shards.ShardedIterator(
+            ctx.train_shards,
+            lambda items, seed: cls(items, per_shard, seed=seed),
+            seed=self.seed,
+            gather=distributed.allgather_json,
+        )
+
+    # -- position ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        # First the producer: the batch in flight finishes and is saved too.
+        rollouts = self.producer.state_dict() if self.producer is not None else None
+        return {"data": self.iterator.state_dict(), "rollouts": rollouts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("data") is not None:
+            self.iterator.load_state_dict(state["data"])
+        if self.producer is not None and state.get("rollouts") is not None:
+            self.producer.load_state_dict(state["rollouts"])
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def generate(self, problems, prompt_ids, n, params) -> list[sampling_base.Completion]:
+        """The sampler's ``n`` completions of each prompt."""
+        return self.ctx.sampler.generate(prompt_ids, n, params)
+
+    def _generate(self, problems, n, seed):
+        ctx = self.ctx
+        prompt_ids = ctx.encode_prompts(problems)
+        if self.sampler_cfg.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
+            seed += ctx.row_block[0] * len(problems)
+        params = prompts.sampling_params(self.sampler_cfg, ctx.tokenizer, seed=seed)
+        completions = self.generate(problems, prompt_ids, n, params)
+        if len(completions) != len(prompt_ids) * n:
+            raise RuntimeError(
+                f"sampler returned {len(completions)} completions for {len(prompt_ids)} x {n}"
+            )
+        return prompt_ids, completions
+
+    def score(self, problems, completions, n) -> tuple[list[dict], grading.GradingStats]:
+        """The grader's scores of ``n`` completions per problem."""
+        return self.ctx.grader.grade(problems, [c.text for c in completions], n)
+
+    def draw(self) -> list[loading.Problem]:
+        """The next step's problems from the data order (twice as many candidates with the
+        difficulty filter)."""
+        problems = self.iterator.next_batch()
+        if self.rl.difficulty_filter:
+            problems = problems + self.iterator.next_batch()
+        return problems
+
+    def step_seed(self, rl_step: int) -> int:
+        return self.seed * 1_000_003 + rl_step
+
+    def sample(self, step_seed: int, drawn: list[loading.Problem] | None = None):
+        """The step's problems, prompts and completions, and the sampling's metrics (with the
+        difficulty filter: keep the prompts the policy solves sometimes); ``drawn``: the problems
+        ``draw`` returned (default: draw now)."""
+        rl = self.rl
+        problems, m = (self.draw() if drawn is None else drawn), {}
+        if rl.difficulty_filter:
+            candidates = problems
+            k = rl.difficulty_filter_k
+            _, comps = self._generate(candidates, k, step_seed + 104729)
+            scores, _ = self.score(candidates, comps, k)
+            rates = np.asarray([s["answer_reward"] for s in scores]).reshape(-1, k).mean(1)
+            informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
+            rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
+            problems = (informative + rest)[: len(candidates) // 2]
+            m["filter/informative_fraction"] = len(informative) / len(candidates)
+        prompt_ids, completions = self._generate(problems, rl.group_size, step_seed)
+        return problems, prompt_ids, completions, m
+
+    def _rollout_job(self, rl_step: int):
+        """The producer's work for ``rl_step``: the problems are drawn now (on the trainer's
+        thread, in step order), the sampling runs when the returned job is called."""
+        drawn = self.draw()
+        seed = self.step_seed(rl_step)
+
+        def job() -> async_rollouts.Rollouts:
+            problems, prompt_ids, completions, m = self.sample(seed, drawn)
+            return async_rollouts.Rollouts(rl_step, problems, prompt_ids, completions, m)
+
+        return job
+
+    def grade(self, problems, completions):
+        """The step's scores; feeds the curriculum (one ``CurriculumPromptIterator`` per data
+        shard) with each problem's answer rewards."""
+        scores, stats = self.score(problems, completions, self.rl.group_size)
+        if self.rl.curriculum:
+            g = self.rl.group_size
+            self.iterator.update(
+                [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
+            )
+        return scores, stats
+
+    # -- the step ---------------------------------------------------------------------------------
+    def rollouts(self, t: int, total_steps: int, timer: metrics_lib.PhaseTimer) -> GradedRollouts:
+        """Step ``t``'s graded rollouts: sampled now (k = 0), or taken from the producer, which
+        then starts on step t + k with the sampler's current weights (version t)."""
+        k = self.rl.max_staleness
+        version, generate_s, m = None, None, {}
+        if k == 0:
+            with timer.phase("sample"):
+                problems, prompt_ids, completions, sample_m = self.sample(self.step_seed(t))
+        else:
+            with timer.phase("sample"):  # only the first k steps of a run generate here
+                self.producer.fill(t, total_steps)
+            if t + k < total_steps:
+                self.producer.submit(t + k)
+            ro = self.producer.pop(t)
+            problems, prompt_ids, completions, sample_m = (
+                ro.problems,
+                ro.prompts,
+                ro.completions,
+                ro.metrics,
+            )
+            if self.rl.behaviour_logprobs:
+                version = ro.version
+            generate_s = ro.generate_s
+            m = {
+                "async/staleness": float(async_rollouts.check_lag(ro, t, k)),
+                "async/rollout_version": float(ro.version),
+                "time/generate_s": ro.generate_s,
+            }
+        with timer.phase("reward"):
+            scores, grading_stats = self.grade(problems, completions)
+        metrics = {**sample_m, **grading_stats.as_metrics(), **m}
+        return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s)
+
+    def wait(self, timer: metrics_lib.PhaseTimer) -> None:
+        """The one place the trainer waits for rollouts: step t + k's batch must be finished by
+        version t before the sampler moves to version t + 1."""
+        if self.producer is not None:
+            with timer.phase("wait_rollouts"):
+                self.producer.wait()
+
+    # -- the sampler's weights --------------------------------------------------------------------
+    def sampler_weights(self, params):
+        """The policy parameters to hand to the sampler. The update donates the state's
+        buffers; with ``rl.max_staleness`` > 0 the producer thread may still start a generation
+        on the previous weights after the next update has begun, so a JAX sampler that shares
+        the trainer's devices gets its own copy (one parameter set of memory) instead of the
+        state's buffers, which the donation deletes. A sampler on a sub-mesh of its own
+        (``sampler.jax_devices``) copies in ``update_weights``, and a vLLM export reads the
+        weights to the host before it returns."""
+        s = self.sampler_cfg
+        if self.rl.max_staleness > 0 and s.kind == "jax" and s.jax_devices == 0:
+            return jax.tree.map(lambda x: x.copy(), params)
+        return params
+
+    def sync(self, params, version: int):
+        """Hands the sampler the weights of ``version`` (updates applied so far); its metrics."""
+        return self.ctx.sampler.update_weights(self.sampler_weights(params), version=version)
+
+
+class MultiTurnSource(RolloutSource):
+    """Multi-turn tool-use rollouts (the run's sampler is an ``envs.MultiTurnSampler``): a
+    sample is a trajectory of model turns and tool outputs, stored as one completion whose tool
+    tokens are flagged as not sampled. The environments get the problems at reset, their step
+    rewards add to the verifier's, and the step's metrics carry turns, tool calls, tool errors
+    and time, and how rollouts ended (``tool/...``)."""
+
+    completion_cls = env_rollout.Trajectory
+
+    def generate(self, problems, prompt_ids, n, params):
+        return self.ctx.sampler.generate(prompt_ids, n, params, problems=problems)
+
+    def score(self, problems, completions, n):
+        scores, stats = super().score(problems, completions, n)
+        for s, c in zip(scores, completions):
+            if c.env_reward:
+                s["reward"] = s["reward"] + c.env_reward
+        return scores, stats
+
+    def sample(self, step_seed, drawn=None):
+        problems, prompt_ids, completions, m = super().sample(step_seed, drawn)
+        m = {**m, **env_rollout.trajectory_metrics(completions, prefix="tool/")}
+        return problems, prompt_ids, completions, m
