@@ -17,12 +17,13 @@ import jax
 import numpy as np
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, preflight, prompts, rollout
+from jaxrlvr import configlib, preflight, rollout
+from jaxrlvr import prompts as prompt_lib
 from jaxrlvr.algos import preference
 from jaxrlvr.data import iterators, loading
 from jaxrlvr.phases import base
 
-log = prompts.log
+log = prompt_lib.log
 
 
 class PreferencePhase(base.RLStepsPhase):
@@ -95,8 +96,8 @@ class PreferencePhase(base.RLStepsPhase):
         prompts, responses = [], []
         for side in (1, 2):
             for pair in pairs:
-                p = prompts.encode(tok, pair[0])[: limit - 1]
-                r = prompts.encode(tok, pair[side]) + [eos]
+                p = prompt_lib.encode(tok, pair[0])[: limit - 1]
+                r = prompt_lib.encode(tok, pair[side]) + [eos]
                 prompts.append(p)
                 responses.append(r[: max(limit - len(p), 0)])
         packed = rollout.pack(prompts, responses, pad_id=self.ctx.pad_id, max_length=limit)

@@ -17,7 +17,8 @@ import time
 import jax
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import prompts, rollout
+from jaxrlvr import prompts as prompt_lib
+from jaxrlvr import rollout
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, shards, templates
 from jaxrlvr.phases import base
@@ -89,7 +90,7 @@ class SFTPhase(base.Phase):
                 continue
             examples.append(loading.Problem(question=prompt, answer=response, id=f"sft-{i}"))
         if skipped:
-            prompts.log(f"{cfg.sft.data}: skipped {skipped} rows without a prompt and response")
+            prompt_lib.log(f"{cfg.sft.data}: skipped {skipped} rows without a prompt and response")
         if not examples:
             raise ValueError(f"sft.data={cfg.sft.data!r}: no usable prompt/response rows")
         return examples
@@ -120,14 +121,14 @@ class SFTPhase(base.Phase):
         """Each response's token ids + EOS, and its loss weights (None: every token counts;
         the tool-use warm start weighs a trace's tool outputs 0, ``tool.ToolSFTPhase``)."""
         tok = self.ctx.tokenizer
-        return [(ids + [tok.eos_token_id], None) for ids in prompts.encode_many(tok, texts)]
+        return [(ids + [tok.eos_token_id], None) for ids in prompt_lib.encode_many(tok, texts)]
 
     def batch(self, examples: list[loading.Problem]):
         """The host batch of ``examples``: prompt + response + EOS, cut to the context."""
         ctx = self.ctx
         limit = ctx.model_cfg.max_position_embeddings
         prompts, responses, weights = [], [], []
-        questions = prompts.encode_many(ctx.tokenizer, [ex.question for ex in examples])
+        questions = prompt_lib.encode_many(ctx.tokenizer, [ex.question for ex in examples])
         answers = self.responses([ex.answer for ex in examples])
         for p, (r, w) in zip(questions, answers, strict=True):
             prompts.append(p[: limit - 1])
