@@ -49,6 +49,8 @@ import time
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from jaxrlvr.rewards import sandbox_harness
+
 SandboxKind = Literal["bwrap", "none"]
 
 HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
@@ -305,6 +307,9 @@ def check_unsandboxed_python(python: str) -> None:
             )
 
 
+CGROUP_PREFIX = "jaxrlvr-sandbox-"
+
+
 class MemoryCgroup:
     """A memory cgroup for one sandbox (its limit covers the harness, the programs, their
     tmpfs files and shared memory), where this process may create one: cgroup v2 with the
@@ -332,9 +337,26 @@ class MemoryCgroup:
                 dirs.append((os.path.join("/sys/fs/cgroup/memory", rel), 1))
         return dirs
 
+    @staticmethod
+    def _remove_stale(parent: str) -> None:
+        """Remove the empty cgroups of sandboxes whose process died without closing them (a
+        grading worker killed at its deadline)."""
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(CGROUP_PREFIX) :].split("-")[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+
     @classmethod
     def create(cls, name: str, limit_mb: int) -> MemoryCgroup | None:
         for parent, version in cls._own_dirs():
+            cls._remove_stale(parent)
             try:
                 if version == 2:
                     with open(os.path.join(parent, "cgroup.subtree_control")) as f:
@@ -434,12 +456,14 @@ class Sandbox:
             if self._workdir is None:
                 self._workdir = tempfile.mkdtemp(prefix="jaxrlvr-code-")
                 os.chmod(self._workdir, 0o711)
+            else:  # a restart after an unclean program: what it left goes now
+                _remove_quietly(self._workdir, keep_root=True)
             env["JAXRLVR_SANDBOX_WORK"] = self._workdir
             cmd = [self.python, "-I", "-S", "-B", HARNESS_PATH]
             if os.geteuid() == 0:
                 cmd += ["--uid-base", str(self.uid_base)]
         if self.memory_cgroup is None:
-            name = f"jaxrlvr-sandbox-{os.getpid()}-{self._slot}"
+            name = f"{CGROUP_PREFIX}{os.getpid()}-{self._slot}"
             self.memory_cgroup = MemoryCgroup.create(name, cfg.sandbox_memory_mb)
         if self.memory_cgroup is not None:
             # Joins the cgroup before exec, so that everything the sandbox starts is inside it.
@@ -572,7 +596,7 @@ class Sandbox:
     def close(self) -> None:
         self._kill()
         if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            _remove_quietly(self._workdir)
             self._workdir = None
         if self.memory_cgroup is not None:
             self.memory_cgroup.remove()
@@ -586,6 +610,15 @@ class Sandbox:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _remove_quietly(path: str, keep_root: bool = False) -> None:
+    """The harness's clean-up (no depth or mode stops it), with a generous budget, for the
+    host-side directory of ``kind="none"``; what still stays is left to the system's /tmp."""
+    try:
+        sandbox_harness.remove_tree(path, keep_root=keep_root, budget_s=120.0)
+    except Exception:
+        pass
 
 
 def _value_matches(value_repr, expected) -> bool:

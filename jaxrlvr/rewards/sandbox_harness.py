@@ -553,7 +553,7 @@ class Harness:
                         dirty.append(f"{path} ({type(exc).__name__})")
                 if _owned_entries(path, self.scope):
                     dirty.append(path)
-        if self.isolate and os.listdir(WORK_ROOT):
+        if os.listdir(WORK_ROOT):  # bwrap's tmpfs, or the private directory of kind "none"
             dirty.append("work root")
         return dirty, left
 

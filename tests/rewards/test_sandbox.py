@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 import warnings
 
@@ -643,3 +644,70 @@ def test_sandbox_none_as_root_reaches_the_standard_library():
             [{"expr": "uid >= 200000", "expected": "True"}, {"stmt": "tempfile.mkdtemp()"}],
         )
         assert result.passed == (True, True), result
+
+
+def _harness_host_pid(box: sandbox.Sandbox) -> int:
+    """The host pid of ``box``'s harness (a descendant of its bwrap process)."""
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"sandbox_harness.py" not in f.read():
+                    continue
+            pid = int(entry)
+            while pid > 1:
+                pid = parent(pid)
+                if pid == box._proc.pid:
+                    return int(entry)
+        except OSError:
+            continue
+    raise AssertionError("harness not found")
+
+
+def test_a_sandbox_that_fails_its_clean_state_check_is_replaced():
+    """Something the clean-up cannot account for (here a file planted in the sandbox's tmpfs
+    from the host, through /proc/PID/root) fails the check: the program's verdict stands, and
+    the next program runs in a fresh sandbox."""
+    tests = [code.split_test(t) for t in TASK.tests]
+    with sandbox.Sandbox(CFG) as box:
+        with open(f"/proc/{_harness_host_pid(box)}/root/tmp/planted", "w") as f:
+            f.write("x")
+        result = box.run(GOOD, tests)
+        assert result.all_passed and not result.clean
+        assert box.restarts == 1 and "work root" in box.last_dirty
+        again = box.run(GOOD, tests)
+        assert again.all_passed and again.clean and box.starts == 2
+
+
+def test_remove_tree_is_not_defeated_by_depth_names_or_modes():
+    """The harness's clean-up on a tmpfs, as in the sandbox: 3,000 levels (past the recursion
+    limit and PATH_MAX), a directory without any permission bits, a non-UTF-8 name with a
+    newline, a link out (not followed); and its time budget."""
+    from jaxrlvr.rewards import sandbox_harness
+
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # a tmpfs: rmdir is fast
+    root = tempfile.mkdtemp(dir=base)
+    fd = os.open(root, os.O_RDONLY)
+    for _ in range(3000):
+        os.mkdir("d", dir_fd=fd)
+        new = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = new
+    os.close(fd)
+    os.mkdir(os.path.join(root, "locked"))
+    with open(os.path.join(root, "locked", os.fsdecode(b"\xff\nname")), "w") as f:
+        f.write("x")
+    os.symlink("/usr", os.path.join(root, "link"))
+    os.chmod(os.path.join(root, "locked"), 0)
+    sandbox_harness.remove_tree(root)
+    assert not os.path.exists(root) and os.path.isdir("/usr/bin")
+    os.makedirs(os.path.join(root, "a"))
+    with pytest.raises(TimeoutError):
+        sandbox_harness.remove_tree(root, budget_s=-1.0)
+    shutil.rmtree(root)
