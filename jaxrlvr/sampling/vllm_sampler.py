@@ -409,6 +409,19 @@ class VLLMSampler:
         seed: int | None,
         slot: int,
     ) -> list[base.Completion]:
+        return self._request(
+            slot,
+            f"completion for prompt {prompt_index}",
+            lambda model: completion_request(model, prompt, n, params, seed),
+            lambda body, version: parse_completion_response(
+                body, prompt_index, n, params.logprobs, weight_version=version
+            ),
+        )
+
+    def _request(self, slot: int, what: str, make_body: Any, parse: Any) -> Any:
+        """POST ``make_body(model name)`` to ``/v1/completions`` of target ``slot`` (the next
+        one on each retry) and return ``parse(response json, weight version)``; transport
+        errors, 5xx and aborts are retried after recovering the server (``_recover``)."""
         last: Exception | None = None
         attempts = self.max_retries + 1
         for attempt in range(attempts):
@@ -419,8 +432,7 @@ class VLLMSampler:
                 # can happen in between (class docstring).
                 with self._gate.shared():
                     version = self.version
-                    model = self.adapter_name or self.model_names[k]
-                    body = completion_request(model, prompt, n, params, seed)
+                    body = make_body(self.adapter_name or self.model_names[k])
                     r = self._client.post(t.url + "/v1/completions", json=body)
                 if r.status_code >= 500:
                     raise _Retryable(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -429,9 +441,7 @@ class VLLMSampler:
                         f"vLLM server at {t.url} rejected a completion request: "
                         f"HTTP {r.status_code}: {r.text[:500]}"
                     )
-                return parse_completion_response(
-                    r.json(), prompt_index, n, params.logprobs, weight_version=version
-                )
+                return parse(r.json(), version)
             except (httpx.TransportError, _Retryable) as e:
                 last = e
                 self._recover(t)
@@ -443,10 +453,63 @@ class VLLMSampler:
             if t.server is not None and t.server.failure()
         ]
         raise VLLMError(
-            f"vLLM completion for prompt {prompt_index} failed after {attempts} attempts "
+            f"vLLM {what} failed after {attempts} attempts "
             f"(servers {self.urls}): {type(last).__name__}: {last}"
             + (f"; the servers' logs show {'; '.join(causes)}" if causes else "")
         )
+
+    def prompt_logprobs(
+        self, sequences: Sequence[Sequence[int]], *, top_k: int = 0
+    ) -> list[list[dict[int, float] | None]]:
+        """The served model's log-probs of every token of each token-id sequence given as a
+        prompt (vLLM ``prompt_logprobs``, temperature 1, one throw-away generated token).
+
+        Returns one list per sequence, as long as the sequence: entry 0 is None (the first
+        token has no context), entry j maps token id -> log p(token | sequence[:j]) for the
+        sequence's own token j and the ``top_k`` most likely tokens there (vLLM reports -inf as
+        -9999). Requests run concurrently with the same retries and server recovery as
+        ``generate``. Used by ``sampling.vllm_teacher``.
+        """
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        seqs = [[int(x) for x in s] for s in sequences]
+        futures = [
+            self._pool.submit(self._prompt_logprobs_one, i, s, top_k, self._rr + i)
+            for i, s in enumerate(seqs)
+        ]
+        self._rr = (self._rr + len(seqs)) % len(self._targets)
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+    def _prompt_logprobs_one(
+        self, index: int, seq: list[int], top_k: int, slot: int
+    ) -> list[dict[int, float] | None]:
+        def body(model: str) -> dict[str, Any]:
+            return {
+                "model": model,
+                "prompt": seq,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": top_k,
+                "add_special_tokens": False,
+            }
+
+        def parse(out: Mapping[str, Any], version: int | None) -> list[dict[int, float] | None]:
+            choices = out.get("choices") or []
+            got = choices[0].get("prompt_logprobs") if choices else None
+            if got is None or len(got) != len(seq):
+                n = None if got is None else len(got)
+                raise VLLMError(f"vLLM returned {n} prompt log-probs for {len(seq)} tokens")
+            return [
+                None if d is None else {int(k): float(v["logprob"]) for k, v in d.items()}
+                for d in got
+            ]
+
+        return self._request(slot, f"prompt log-probs of sequence {index}", body, parse)
 
     def _healthy(self, t: _Target) -> bool:
         try:
