@@ -133,7 +133,11 @@ def _set_limits(lim: dict) -> None:
         resource.setrlimit(kind, (value, value))
 
     cap(resource.RLIMIT_CORE, 0)
-    cap(resource.RLIMIT_CPU, _cpu_limit_s(lim))
+    # SIGXCPU at the limit (unambiguous: a timeout); SIGKILL a second later for a program that
+    # ignores it. (With soft = hard the kernel sends only SIGKILL, and the CPU time wait4
+    # reports for it lags the kernel's own count by up to 0.1 s on a loaded machine: measured.)
+    cpu = _cpu_limit_s(lim)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     cap(resource.RLIMIT_AS, lim["memory_mb"] << 20)
     cap(resource.RLIMIT_NOFILE, lim["max_open_files"])
     cap(resource.RLIMIT_FSIZE, lim["max_file_mb"] << 20)
@@ -255,10 +259,11 @@ def _child(
 def _how_it_ended(pid: int, deadline: float, cpu_limit_s: int, status: str) -> str:
     """The status of a child whose report pipe closed: ``status`` when it exited, ``"timeout"``
     when its CPU-time limit killed it (the limit equals the program's time limit, and on a busy
-    machine it can end a loop before the harness's wall-clock deadline does; with soft = hard
-    limits Linux sends SIGKILL, so the child's CPU seconds tell), and ``"program_error"`` when
-    another signal did (a crash). A child that closed the pipe but runs on is waited for until
-    ``deadline``: then ``"timeout"``."""
+    machine it can end a loop before the harness's wall-clock deadline does: SIGXCPU at the soft
+    limit, or SIGKILL at the hard one, a second later, for a program that ignores SIGXCPU, which
+    the child's CPU seconds tell), and ``"program_error"`` when another signal did (a crash). A
+    child that closed the pipe but runs on is waited for until ``deadline``: then
+    ``"timeout"``."""
     while True:
         try:
             done, wait_status, usage = os.wait4(pid, os.WNOHANG)
