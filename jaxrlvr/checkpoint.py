@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,38 @@ _EXTRA = "extra"
 
 def _log(msg: str) -> None:
     print(f"[jaxrlvr] {msg}", file=sys.stderr, flush=True)
+
+
+def _closed_loop_callback(exc_type, exc, tb) -> bool:
+    """Whether an uncaught exception is a failed restore's leftover: TensorStore reads still in
+    flight when one read failed finish after orbax has closed the event loop the restore ran on,
+    and their completion callback (``loop.call_soon_threadsafe``) raises "Event loop is
+    closed" on TensorStore's own thread."""
+    if exc_type is not RuntimeError or str(exc) != "Event loop is closed":
+        return False
+    return any(
+        f.name == "call_soon_threadsafe" and f.filename.endswith("base_events.py")
+        for f in traceback.extract_tb(tb)
+    )
+
+
+def quiet_failed_restore_callbacks() -> None:
+    """Installs, once per process, a ``sys.unraisablehook`` that drops ``_closed_loop_callback``'s
+    error and hands every other one to the hook it replaces. TensorStore reports an exception of
+    its callback thread as unraisable; after a restore that fails and is reported in one line
+    (``restore_latest``), the user would otherwise see a traceback per read that was in flight,
+    long after the run moved on to an older checkpoint."""
+    if getattr(sys.unraisablehook, "_jaxrlvr_quiet_restores", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        e = unraisable
+        if not _closed_loop_callback(e.exc_type, e.exc_value, e.exc_traceback):
+            previous(unraisable)
+
+    hook._jaxrlvr_quiet_restores = True
+    sys.unraisablehook = hook
 
 
 def describe_error(exc: BaseException, limit: int = 240) -> str:
@@ -317,6 +350,7 @@ class Checkpointer:
             )
         candidates = [step] if step is not None else steps[::-1]
         failures = []
+        quiet_failed_restore_callbacks()  # before a read fails: its leftovers may come at once
         for s in candidates:
             try:
                 _, extra = self.restore_extra(s)
