@@ -39,6 +39,7 @@ _LAYOUT = {
     "ref_logp": "bt",
     "sampler_logp": "bt",
     "behaviour_logp": "bt",
+    "teacher_logp": "bt",
     "rewards": "b",
     "old_values": "bt",
     "correct": "b",
@@ -69,6 +70,8 @@ class Batch:
     sampler_logp: float32 [B, T] the sampler's log-probs (off-policy correction), optional;
     behaviour_logp: float32 [B, T] the trainer's log-probs under the parameter version that
     sampled the rollouts (stale batches; ``algos.importance``), optional;
+    teacher_logp: float32 [B, T] a distillation teacher's log-probs of the labels
+    (``algos.distill``, ``algos.teacher``), optional;
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).
@@ -86,6 +89,7 @@ class Batch:
     ref_logp: jax.Array | None = None
     sampler_logp: jax.Array | None = None
     behaviour_logp: jax.Array | None = None
+    teacher_logp: jax.Array | None = None
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
     correct: jax.Array | None = None

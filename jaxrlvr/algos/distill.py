@@ -43,18 +43,26 @@ Both reduce with ``aggregation.aggregate`` over the FULL batch's denominator and
 packing (segment ids). Every function is pure over arrays, opens with chex contracts and runs
 the same with or without jit.
 
-Not here: the teachers' forward passes (``algos.teacher``, ``sampling.vllm_teacher``), the
-choice of a teacher per problem (``jaxrlvr.teachers``) and the method record that wires these
-into an update.
+The record (``distill_algorithm``, ``DistillUpdateConfig``) trains the reverse-KL signal: GRPO's
+update skeleton with ``teacher_logp`` as a rollout field; the JSD has its loss here but no update
+yet (it needs the student's logits per position inside the chunked head).
+
+Not here: the teachers' forward passes (``algos.teacher``, ``sampling.vllm_teacher``) and the
+choice of a teacher per problem (``jaxrlvr.teachers``).
 """
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
 
-from jaxrlvr.algos import aggregation, loss_config, policy_loss, segments
+from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient, policy_loss, segments
+from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 Signal = Literal["reverse_kl", "jsd"]
@@ -337,3 +345,144 @@ def jsd_loss(
         "seq_count": jnp.sum(segments.last_valid(mask_bt, segment_ids_bt).astype(_f32)),
     }
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# The method record (the reverse-KL signal).
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillUpdateConfig:
+    """On-policy distillation update: ``reverse_kl_policy_loss`` with every option of
+    ``PolicyLossConfig`` (aggregation, clipping, KL to a reference, entropy, off-policy
+    correction) and ``DistillConfig``'s coefficients. ``num_microbatches`` and
+    ``logprob_chunk_size`` as ``grpo.GRPOUpdateConfig``.
+
+    Only ``distill.signal == "reverse_kl"`` trains here: the JSD needs the student's logits at
+    every position inside the chunked head and the teacher's top-k as batch fields, which no
+    update computes yet (``generalized_jsd_topk`` is the loss it will use).
+    """
+
+    loss: loss_config.PolicyLossConfig = dataclasses.field(
+        default_factory=lambda: loss_config.PolicyLossConfig(aggregation="token_mean")
+    )
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    num_microbatches: int = 1
+    logprob_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        engine.check_microbatches(self.num_microbatches)
+        engine.check_chunk_size(self.logprob_chunk_size)
+        if self.distill.signal != "reverse_kl":
+            raise ValueError(
+                f"distill.signal={self.distill.signal!r} has no update yet (the JSD needs the "
+                "teacher's top-k as batch fields); use 'reverse_kl'"
+            )
+
+    @property
+    def rollout_fields(self) -> tuple[str, ...]:
+        """What the host (or a teacher pass before ``prepare``) supplies for every rollout."""
+        mixed = ("advantages",) if self.distill.reward_coef > 0 else ()
+        return ("teacher_logp", *mixed)
+
+
+def make_distill_update(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: DistillUpdateConfig | None = None,
+    *,
+    lr_schedule: engine.LRSchedule = None,
+    mesh: Any = None,
+) -> Callable:
+    """The distillation update (one epoch): the batch needs ``teacher_logp`` [B, T] (the
+    teacher's log-probs of the labels) and, with ``distill.reward_coef`` > 0, ``advantages``;
+    ``old_logp``, ``ref_logp``, ``sampler_logp`` and ``behaviour_logp`` as GRPO's update.
+    Metrics: GRPO's plus ``distill/reverse_kl`` (k1, mean over loss tokens),
+    ``distill/reverse_kl_k3`` and ``distill/teacher_logp``."""
+    cfg = cfg or DistillUpdateConfig()
+    entropy_grad = cfg.loss.entropy_coef != 0
+    _, spec = policy_gradient.policy_specs(cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches)
+
+    def full_batch(batch):
+        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+
+    def loss_fn(params, mb, denom):
+        lm = nnx.merge(graphdef, params)
+        logp, ent, _ = engine.token_logprobs(
+            lm, mb, entropy_grad=entropy_grad, chunk_size=cfg.logprob_chunk_size
+        )
+        loss, metrics = reverse_kl_policy_loss(
+            logp,
+            mb.teacher_logp,
+            mb.loss_mask,
+            cfg.loss,
+            cfg.distill,
+            denominator=denom,
+            old_logp_bt=mb.old_logp,
+            reward_adv=mb.advantages,
+            segment_ids_bt=mb.segment_ids,
+            ref_logp_bt=mb.ref_logp,
+            sampler_logp_bt=mb.sampler_logp,
+            behaviour_logp_bt=mb.behaviour_logp,
+            entropy_bt=ent,
+        )
+        metrics["policy_loss"] = metrics["loss"]
+        return loss, metrics
+
+    return engine.make_update(
+        spec=spec, tx=tx, lr_schedule=lr_schedule, mesh=mesh, full_batch=full_batch, loss_fn=loss_fn
+    )
+
+
+def distill_algorithm(
+    graphdef: nnx.GraphDef,
+    optimizer: algorithm_lib.Optimizer,
+    cfg: DistillUpdateConfig | None = None,
+    *,
+    mesh: Any = None,
+    epochs_per_batch: int = 1,
+    rollouts_may_be_stale: bool = False,
+    logprob_microbatches: int | None = None,
+) -> algorithm_lib.Algorithm:
+    """On-policy distillation (``make_distill_update``) as a record: GRPO's ``init`` / ``prepare``
+    (the frozen KL reference when ``loss.kl_coef`` > 0; the old pass with several epochs or
+    stale rollouts) with the teacher's log-probs as a rollout field.
+
+    ``teacher_logp`` comes with the rollouts, from whichever teacher scored them: a vLLM
+    teacher on the host (``sampling.vllm_teacher``, laid out at the label positions as the
+    sampler's log-probs are), or a local JAX teacher's pass on the placed batch
+    (``algos.teacher.LocalTeacher.batch_logprobs``, its parameters passed as arguments: a
+    ``prepare`` that closed over them would compile them into the program as constants).
+    """
+    cfg = cfg or DistillUpdateConfig()
+    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
+    one_epoch = make_distill_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
+    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
+    logprob_fn = engine.make_logprob_fn(
+        graphdef,
+        num_microbatches=logprob_microbatches or cfg.num_microbatches,
+        chunk_size=cfg.logprob_chunk_size,
+        mesh=mesh,
+    )
+    needs_ref = cfg.loss.kl_coef > 0
+    needs_old = epochs_per_batch > 1 or bool(rollouts_may_be_stale)
+    rollout_spec, _ = policy_gradient.policy_specs(
+        cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
+    )
+
+    def init(params, rng=0):
+        return state_lib.TrainState.create(
+            graphdef,
+            params,
+            tx,
+            algorithm_lib.prng_key(rng),
+            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
+        )
+
+    def prepare(state, rollouts):
+        batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
+        return algorithm_lib.select_fields(batch, update.batch_spec), metrics
+
+    return algorithm_lib.Algorithm(
+        name="distill", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
+    )

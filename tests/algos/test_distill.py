@@ -274,3 +274,58 @@ class DistillVariantsTest(chex.TestCase):
 
         args = (lp, teacher, mask, s, t, ids, reward, ref)
         chex.assert_trees_all_close(self.variant(fn)(*args), fn(*args), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow  # ~12 s on a quiet machine, mostly compiling the update; 25 s loaded
+def test_distill_record_trains_the_student_towards_the_teacher():
+    # A tiny student and a different tiny teacher; the rollouts carry the teacher's log-probs
+    # (the pass a LocalTeacher runs: engine.make_logprob_fn with the teacher's params), then the
+    # record's prepare and update run jitted, in two microbatches.
+    from flax import nnx
+
+    from jaxrlvr import model as jmodel
+    from jaxrlvr.algos import engine, optim
+    from jaxrlvr.algos import teacher as teacher_lib
+
+    cfg = jmodel.ModelConfig.tiny()
+    graphdef, params = nnx.split(jmodel.init_model(cfg, seed=0), nnx.Param)
+    noise = np.random.default_rng(1)  # the teacher: the student's weights, perturbed
+    teacher_params = jax.tree.map(
+        lambda x: x + noise.normal(scale=0.3, size=x.shape).astype(np.float32), params
+    )
+    logprobs = jax.jit(lambda p, b: engine.make_logprob_fn(graphdef)(p, b)[0])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, size=3).tolist() for _ in range(4)]
+    completions = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (5, 2, 7, 4)]
+    rollouts = teacher_lib.completion_batch(prompts, completions, pad_to_multiple=8)
+    teacher_logp = np.asarray(logprobs(teacher_params, rollouts))
+    rollouts = rollouts.replace(teacher_logp=teacher_logp)
+    mask = np.asarray(rollouts.loss_mask)
+    with pytest.raises(ValueError, match="distill.signal='jsd' has no update yet"):
+        distill.DistillUpdateConfig(distill=distill.DistillConfig(signal="jsd"))
+
+    algo = distill.distill_algorithm(
+        graphdef,
+        optim.OptimizerConfig(learning_rate=1e-2),
+        distill.DistillUpdateConfig(num_microbatches=2),
+    )
+    assert algo.rollout_spec.required == ("teacher_logp",)
+    prepare, update = jax.jit(algo.prepare), jax.jit(algo.update)
+    state = algo.init(params, 0)
+    # The student as its own teacher: every advantage is 0, and so is the gradient.
+    same = rollouts.replace(teacher_logp=np.asarray(logprobs(params, rollouts)))
+    _, m0 = update(state, prepare(state, same)[0])
+    assert float(m0["distill/reverse_kl"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(m0["grad_norm"]) == pytest.approx(0.0, abs=1e-6)
+
+    def gap(p):  # the mean squared log-ratio on the batch's tokens
+        diff = np.asarray(logprobs(p, rollouts)) - teacher_logp
+        return np.sum(mask * diff**2) / mask.sum(), np.sum(mask * diff) / mask.sum()
+
+    before, k1 = gap(params)
+    _, metrics = update(state, prepare(state, rollouts)[0])
+    assert float(metrics["distill/reverse_kl"]) == pytest.approx(k1, rel=1e-4, abs=1e-6)
+    for _ in range(5):
+        state, _ = update(state, prepare(state, rollouts)[0])
+    # On fixed tokens -A * grad log p = grad (log p - log q)^2 / 2: the gap must shrink.
+    assert gap(state.params)[0] < 0.5 * before
