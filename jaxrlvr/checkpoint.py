@@ -33,6 +33,7 @@ and remote storage specifics. Export to a Hugging Face folder lives with the mod
 import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import sys
@@ -72,10 +73,11 @@ def _closed_loop_callback(exc_type, exc, tb) -> bool:
 
 def quiet_failed_restore_callbacks() -> None:
     """Installs, once per process, a ``sys.unraisablehook`` that drops ``_closed_loop_callback``'s
-    error and hands every other one to the hook it replaces. TensorStore reports an exception of
-    its callback thread as unraisable; after a restore that fails and is reported in one line
-    (``restore_latest``), the user would otherwise see a traceback per read that was in flight,
-    long after the run moved on to an older checkpoint."""
+    error and hands every other one to the hook it replaces, and a filter on asyncio's logger
+    that drops its report of the restore's other failed reads (``_drop_orphaned_restore_reads``).
+    TensorStore reports an exception of its callback thread as unraisable; after a restore that
+    fails and is reported in one line (``restore_latest``), the user would otherwise see a
+    traceback per read that was in flight, long after the run moved on to an older checkpoint."""
     if getattr(sys.unraisablehook, "_jaxrlvr_quiet_restores", False):
         return
     previous = sys.unraisablehook
@@ -87,6 +89,17 @@ def quiet_failed_restore_callbacks() -> None:
 
     hook._jaxrlvr_quiet_restores = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_drop_orphaned_restore_reads)
+
+
+def _drop_orphaned_restore_reads(record: logging.LogRecord) -> bool:
+    """A logging filter for asyncio's logger: False (drop) for its "Task exception was never
+    retrieved" of an orbax read (``async_deserialize``) that failed beside the one read whose
+    error the failed restore already reported; every other record passes."""
+    msg = record.getMessage()
+    return not (
+        msg.startswith("Task exception was never retrieved") and "coro=<async_deserialize()" in msg
+    )
 
 
 def describe_error(exc: BaseException, limit: int = 240) -> str:

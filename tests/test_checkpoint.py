@@ -321,6 +321,16 @@ def test_a_failed_restores_leftover_callbacks_are_quiet(monkeypatch):
     Leftover(), Other()
     gc.collect()
     assert seen == ["something else"]
+    # The restore's other failed reads, which asyncio reports when their tasks are collected.
+    import logging
+
+    def record(coro):
+        msg = f"Task exception was never retrieved\nfuture: <Task finished coro=<{coro}() done>>"
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, None)
+
+    asyncio_log = logging.getLogger("asyncio")
+    assert not asyncio_log.filter(record("async_deserialize"))
+    assert asyncio_log.filter(record("my_own_task"))
 
 
 def test_restore_latest_when_every_checkpoint_is_unreadable(tmp_path):
