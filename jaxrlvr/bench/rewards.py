@@ -16,7 +16,9 @@ its own). Not a test: numbers are for the closing note and for spotting regressi
   with its warm bubblewrap sandbox), one warm sandbox in process, and the plain baseline, a fresh
   unsandboxed ``python -I -S`` subprocess per program (serial, as a simple grader would run it).
   ``agreement`` is the fraction of programs where the pool and the plain subprocess agree on
-  all-pass.
+  all-pass. ``clean_check_ms``: the harness's clean-up and clean-state checks after each
+  program (mean ms, from ``RunResult.check_seconds`` of one more in-process pass), included in
+  every rate above; ``restarts``: sandboxes replaced because a program left them unclean.
 
 Usage: ``jaxrlvr bench rewards [--n 600] [--workers 2] [--timeout 5] [--json PATH]`` (or
 ``python benchmarks/bench_rewards.py``).
@@ -121,6 +123,22 @@ def _plain_subprocess(responses, truths) -> tuple[list[bool], float]:
     return passed, time.perf_counter() - start
 
 
+def _clean_checks(fn, responses, truths) -> tuple[list[float], int]:
+    """Each program's clean-up and clean-state check time in this process's warm sandbox (the
+    same programs and sandbox as ``fn``), and how many times the sandbox was replaced."""
+    cfg = fn.keywords["sandbox"]
+    box = sandbox.shared_sandbox(cfg)
+    restarts = box.restarts
+    seconds = []
+    for response, truth in zip(responses, truths, strict=True):
+        source = code.extract_code(response, fn.keywords["extract"])
+        if source is not None:
+            seconds.append(
+                code.run_tests(source, code.CodeTask.from_json(truth), cfg).check_seconds
+            )
+    return seconds, box.restarts - restarts
+
+
 def _code_case(pool: grading.GradingPool, n: int, workers: int) -> dict:
     fn, responses, truths = _code_workload(n, random.Random(0))
     pool.grade(fn, responses[: 2 * workers], truths[: 2 * workers])  # start the sandboxes
@@ -128,6 +146,7 @@ def _code_case(pool: grading.GradingPool, n: int, workers: int) -> dict:
     fn(responses[0], truths[0])  # this process's warm sandbox
     serial, serial_stats = grading.grade_in_process(fn, responses, truths)
     plain, plain_s = _plain_subprocess(responses, truths)
+    checks, restarts = _clean_checks(fn, responses, truths)
     agree = sum((s["reward"] == 1.0) == p for s, p in zip(pooled, plain)) / len(plain)
     sandbox.close_shared()
     return {
@@ -141,6 +160,9 @@ def _code_case(pool: grading.GradingPool, n: int, workers: int) -> dict:
         "mean_reward": sum(s["reward"] for s in pooled) / len(pooled),
         "pool_agrees_with_plain_subprocess": agree,
         "in_process_agrees_with_pool": sum(a == b for a, b in zip(serial, pooled)) / len(serial),
+        "clean_check_ms": 1000 * sum(checks) / max(1, len(checks)),
+        "clean_check_share_of_in_process": sum(checks) / serial_stats.seconds,
+        "restarts": restarts,
     }
 
 
@@ -198,7 +220,10 @@ def main(argv=None) -> int:
             f"pool({args.workers}) {r['pool_per_s']:8.1f}/s  plain subprocess "
             f"{r['plain_subprocess_per_s']:6.1f}/s  ({r['pool_vs_plain_subprocess']:.2f}x)  "
             f"timeouts={r['pool_timeouts']} errors={r['pool_errors']}  mean reward "
-            f"{r['mean_reward']:.3f}  agreement {r['pool_agrees_with_plain_subprocess']:.3f}"
+            f"{r['mean_reward']:.3f}  agreement {r['pool_agrees_with_plain_subprocess']:.3f}  "
+            f"clean-state check {r['clean_check_ms']:.2f} ms/program "
+            f"({100 * r['clean_check_share_of_in_process']:.1f}% of in-process)  "
+            f"restarts {r['restarts']}"
         )
     print(f"pool start-up (workers ready + first call): {startup_s:.2f} s")
 

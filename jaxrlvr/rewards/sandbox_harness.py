@@ -23,12 +23,13 @@ The harness (the trusted side) owns the clock: a test that runs past ``test_time
 program past ``program_timeout_s`` is cut off. While the program runs, a watchdog polls what the
 address-space limit does not see (System V shared memory and message queues, the files and inodes
 of the writable tmpfs mounts) and kills the program past ``shared_mb`` / ``max_files``
-(``limit_exceeded``). Afterwards every process left in the namespace except the harness and pid 1
-is SIGKILLed, the working directory is removed by an iterative walk that no depth, name or mode
-defeats (within a time budget), the program's IPC objects and ``/dev/shm`` / ``/dev/mqueue``
-entries are removed, and the clean state is checked: no other process, no IPC object, an empty
-work root, ``/dev/shm`` and ``/dev/mqueue``. The reply says ``"clean": false`` (and why) when
-any of it fails; ``Sandbox`` then replaces the whole sandbox before the next program.
+(``limit_exceeded``: all its tests fail). Afterwards every process left in the namespace except
+the harness and pid 1 is SIGKILLed, the working directory is removed by an iterative walk that
+no depth, name or mode defeats (within a time budget), the program's IPC objects and
+``/dev/shm`` / ``/dev/mqueue`` entries are removed, and the clean state is checked: no other
+process, no IPC object, an empty work root, ``/dev/shm`` and ``/dev/mqueue``. The reply says
+``"clean": false`` (and why) when any of it fails; ``Sandbox`` then replaces the whole sandbox
+before the next program.
 
 What it leaves out: everything the child reports comes from the program's own process, so a
 program that deliberately tampers with this file's code in its memory (rebinding the guard's
@@ -635,6 +636,8 @@ class Harness:
                         passed[i] = not is_value[i]
                     elif kind == "value" and is_value[i] and isinstance(event[2], str):
                         values[i] = event[2]
+        if status == "limit_exceeded":  # a program past the sandbox's bounds scores nothing
+            passed, values = [False] * n, [None] * n
         if eof and status in ("done", "program_error"):
             status = _how_it_ended(pid, program_deadline, _cpu_limit_s(lim), status)
         seconds = time.monotonic() - start
