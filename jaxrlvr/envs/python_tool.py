@@ -4,8 +4,13 @@ The code runs in ``rewards.sandbox`` (bubblewrap by default: no network, no host
 its own, CPU / memory / process / time limits; ``reward.sandbox`` chooses the mechanism) with its
 stdout and stderr captured. A program that raises returns the exception's last line
 (``ZeroDivisionError: division by zero``) and counts as a tool error, as does a timeout. Each
-thread gets a warm sandbox of its own (``Sandbox.run`` is not thread-safe), so the rollout can
-run a batch of calls on a few threads.
+thread gets a warm sandbox of its own (``Sandbox.run`` is not thread-safe, and each sandbox has
+its own uid range), so the rollout can run a batch of calls on a few threads.
+
+The tool compares nothing: a call's request holds only the model's code, never the problem's
+answer, which the episode's reward grades on the host after the final turn. The sandbox is left
+clean after every call (or replaced), so one call's files, processes or shared memory never reach
+the next call's output.
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ or with ``extract="raw"`` the whole response), runs it in this process's warm
 - ``reward = answer_reward + format_weight * format_reward``.
 
 A test ``assert EXPR == LITERAL`` becomes a value test: the program's process evaluates EXPR and
-sends back its value (plain built-in types only), and the harness compares it with the literal,
-which the program never sees; objects with a rigged ``__eq__``, rebinding builtins, exiting
-early or printing "passed" all score 0. Other tests pass when they run without raising.
+sends back its value (plain built-in types only), and ``Sandbox.run`` compares it with the
+literal in this process: the literal never enters the sandbox. Objects with a rigged ``__eq__``,
+rebinding builtins, exiting early or printing "passed" all score 0. Other tests (HumanEval's
+``check(candidate)``) pass when they run without raising; they see the program's callables
+through a guard that fails the test unless a call returns exact built-in types, so a returned
+always-equal object scores 0 there too (docs/code.md: what a program can still see and do).
 
 Left out: stdin/stdout-style tests (competitive programming), languages other than Python.
 """
@@ -196,8 +199,10 @@ def make_code_reward_fn(
 
 
 def grader_timeout_s(cfg: CodeRewardConfig, timeout_s: float) -> float:
-    """A grading-pool deadline that leaves the sandbox its own limits plus start-up time."""
-    return max(timeout_s, cfg.program_timeout_s + 10.0)
+    """A grading-pool deadline that leaves the sandbox its own limits, its clean-up budget (5 s)
+    and start-up time, so that ``Sandbox.run``'s own deadline (the program's limit + 10 s) comes
+    first."""
+    return max(timeout_s, cfg.program_timeout_s + 15.0)
 
 
 def reference_pass_rate(tasks: Sequence[tuple[str, CodeTask]], cfg=None) -> float:
