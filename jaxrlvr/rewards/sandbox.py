@@ -392,6 +392,14 @@ class MemoryCgroup:
     def procs(self) -> str:
         return os.path.join(self.path, "cgroup.procs")
 
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in this cgroup."""
+        try:
+            with open(self.procs) as f:
+                return str(pid) in f.read().split()
+        except OSError:
+            return False
+
     def usage_bytes(self) -> int:
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
         with open(os.path.join(self.path, name)) as f:
@@ -462,12 +470,20 @@ class Sandbox:
             cmd = [self.python, "-I", "-S", "-B", HARNESS_PATH]
             if os.geteuid() == 0:
                 cmd += ["--uid-base", str(self.uid_base)]
+        bwrap_or_harness = cmd
         if self.memory_cgroup is None:
             name = f"{CGROUP_PREFIX}{os.getpid()}-{self._slot}"
             self.memory_cgroup = MemoryCgroup.create(name, cfg.sandbox_memory_mb)
         if self.memory_cgroup is not None:
             # Joins the cgroup before exec, so that everything the sandbox starts is inside it.
-            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.memory_cgroup.procs, *cmd]
+            # (A refused join still starts the sandbox; the check after its start says so.)
+            cmd = [
+                "/bin/sh",
+                "-c",
+                'echo $$ 2>/dev/null > "$0"; exec "$@"',
+                self.memory_cgroup.procs,
+            ]
+            cmd += bwrap_or_harness
         self._proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -485,6 +501,15 @@ class Sandbox:
                 f"the {cfg.kind} sandbox did not start: {err or 'no reply'}"
                 + (" (reward.sandbox=none runs without it)" if cfg.kind == "bwrap" else "")
             )
+        if self.memory_cgroup is not None and not self.memory_cgroup.holds(self._proc.pid):
+            print(
+                f"[jaxrlvr] WARNING: the sandbox could not join its memory cgroup "
+                f"{self.memory_cgroup.path}; it runs without one (docs/code.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.memory_cgroup.remove()
+            self.memory_cgroup = None
 
     def _stop_and_stderr(self) -> str:
         proc = self._proc
@@ -550,7 +575,10 @@ class Sandbox:
         expected = {}
         for i, test in enumerate(tests):
             if "expr" in test:
-                expected[i] = ast.literal_eval(test["expected"])
+                try:
+                    expected[i] = ast.literal_eval(test["expected"])
+                except Exception:  # not a literal: the test fails (split_test never does this)
+                    expected[i] = _UNMATCHABLE
         request = {
             "program": program,
             "setup": setup,
@@ -610,6 +638,9 @@ class Sandbox:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+_UNMATCHABLE = object()  # equal to no value a program can send back
 
 
 def _remove_quietly(path: str, keep_root: bool = False) -> None:
