@@ -93,15 +93,17 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(tmp_path):
 
     ref = train.Trainer(_cfg(tmp_path / "ref", *steps))
     try:
+        # The phase's roles driven by hand: the rollout source, then the learner.
         rl = ref.phase
+        source, learner = rl.source, rl.learner
         ref.ctx.sampler.update_weights(ref.state.params, version=0)
         for t in range(3):
-            problems, prompts, completions, _ = rl.sample(ref.cfg.run.seed * 1_000_003 + t)
-            scores, _ = rl.grade(problems, completions)
-            rollouts, _ = rl.shape(prompts, completions, scores)
-            batch, _ = rl.prepare(rollouts)
-            rl.update(batch)
-            rl.sync()
+            problems, prompts, completions, _ = source.sample(ref.cfg.run.seed * 1_000_003 + t)
+            scores, _ = source.grade(problems, completions)
+            rollouts, _ = learner.shape(prompts, completions, scores, t)
+            batch, _ = learner.prepare(rl.state, rollouts)
+            rl.state, _ = learner.update(rl.state, batch)
+            source.sync(rl.state.params, version=t + 1)
             rl.position += 1
         want = _host_params(ref.state.params)
     finally:
