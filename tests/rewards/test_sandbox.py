@@ -59,15 +59,18 @@ def grade(program: str, task: code.CodeTask = TASK) -> dict:
 
 
 def sandbox_processes(uid_base: int, marker: str | None = None) -> list[int]:
-    """Host pids that run as one of this sandbox's program uids, or whose command line holds
-    ``marker``."""
+    """Host pids (not zombies) that run as one of this sandbox's program uids, or whose command
+    line holds ``marker``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
-                uid_line = next(line for line in f if line.startswith("Uid:"))
+                status = f.read().splitlines()
+            if "State:\tZ" in "\n".join(status):
+                continue  # dead, waiting for its (host) parent to reap it
+            uid_line = next(line for line in status if line.startswith("Uid:"))
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().decode(errors="replace")
         except (OSError, StopIteration):
@@ -633,7 +636,7 @@ def test_sandboxes_in_one_process_get_distinct_uid_ranges():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid switch of reward.sandbox=none needs root")
-def test_sandbox_none_as_root_reaches_the_standard_library():
+def test_sandbox_none_as_root_reaches_the_standard_library_and_kills_daemons():
     """Programs run as a uid of their own, which may not traverse the directories above the
     interpreter (a 0700 home): the harness opens the import path before the switch."""
     cfg = dataclasses.replace(CFG, kind="none")
@@ -644,6 +647,16 @@ def test_sandbox_none_as_root_reaches_the_standard_library():
             [{"expr": "uid >= 200000", "expected": "True"}, {"stmt": "tempfile.mkdtemp()"}],
         )
         assert result.passed == (True, True), result
+        # Without a pid namespace the programs' uids still tell their processes: a daemon that
+        # left the program's session is killed as well.
+        marker = f"jaxrlvr-none-daemon-{os.getpid()}-{time.monotonic_ns()}"
+        daemon = (
+            "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['{marker}', '30'])\n    os._exit(0)\n"
+        )
+        after = box.run(daemon, [{"stmt": "pass"}])
+        assert after.clean and after.leftover_processes >= 1
+        assert sandbox_processes(box.uid_base, marker) == []
 
 
 def _harness_host_pid(box: sandbox.Sandbox) -> int:
