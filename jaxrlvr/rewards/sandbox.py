@@ -8,8 +8,9 @@ what happens per program). bubblewrap (Debian package ``bubblewrap``) gives the 
   grader (``--die-with-parent``, and the namespace's pid 1 takes the rest along);
 - a read-only view of only what Python needs (``/usr``, ``/bin``, ``/lib*`` and the
   interpreter's own prefix, bound read-only) and nothing else of the host: no home, no project
-  checkout, no ``/etc``, no secrets; ``/proc`` of its own pid namespace; a private size-limited
-  tmpfs at ``/tmp`` as the only writable place; an empty environment (``--clearenv``);
+  checkout, no ``/etc``, no secrets; ``/proc`` of its own pid namespace; private size-limited
+  tmpfs mounts at ``/tmp`` (the only writable place for files) and ``/dev/shm``, its own
+  ``/dev/mqueue``; an empty environment (``--clearenv``);
 - as root: all capabilities dropped except the few the harness needs to switch each program to
   an unprivileged uid of its own (``--cap-drop ALL --cap-add CAP_SETUID ...``), so the kernel's
   per-user process limit (``RLIMIT_NPROC``, which root ignores) holds against fork bombs.
@@ -18,16 +19,23 @@ what happens per program). bubblewrap (Debian package ``bubblewrap``) gives the 
   grade).
 
 Each program gets rlimits (CPU time, address space, processes, open files, file size), a per-test
-and a per-program wall-clock limit, /dev/null for stdio, and a private working directory that is
-deleted afterwards with every process it left behind.
+and a per-program wall-clock limit, /dev/null for stdio, a watchdog on the memory its address
+space does not show (shared memory, tmpfs inodes), and a private working directory; afterwards
+the harness removes everything it left (processes, files, IPC objects) and checks that the
+sandbox is back to its starting state, and ``Sandbox`` replaces the sandbox when it is not.
+Where a memory cgroup can be had (``MemoryCgroup``: root with cgroup v1, or a delegated cgroup v2
+memory controller) the whole sandbox runs under ``total_memory_mb``. Every sandbox of a process
+takes its own range of 100 uids (``uid_base``).
 
 ``kind="none"`` runs the same harness without bubblewrap (rlimits, the time limits and the uid
-switch when root remain; no namespaces, and daemons that leave their session survive): for
-machines without user namespaces, with a warning every time one starts. When ``bwrap`` is
-missing, ``SandboxUnavailable`` says so in one line; nothing ever falls back silently.
+switch when root remain; no namespaces, no watchdog; as root the processes, IPC objects and
+``/dev/shm`` files of the sandbox's uids are removed after each program, as a normal user daemons
+that leave their session survive): for machines without user namespaces, with a warning every
+time one starts. When ``bwrap`` is missing, ``SandboxUnavailable`` says so in one line; nothing
+ever falls back silently.
 
-Left out: seccomp syscall filtering and cgroup memory accounting (the address-space limit and the
-tmpfs size bound memory instead).
+Left out: seccomp syscall filtering; a memory bound for the whole sandbox where no memory cgroup
+can be had (the address-space limit, the tmpfs sizes and the watchdog bound its parts instead).
 """
 
 from __future__ import annotations
