@@ -1,12 +1,21 @@
-"""Model configuration for the Qwen2 / Qwen2.5 family, built from or written to HF config.json.
+"""Model configuration of the one decoder (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE), from or to HF
+config.json.
+
+The family is configuration (``model_type``): Qwen3 adds per-head RMSNorm on queries and keys
+(``qk_norm``), an explicit ``head_dim`` and ``attention_bias`` (q/k/v/o biases, off in every
+released checkpoint; Qwen2 always has q/k/v biases and no o bias); Qwen3-MoE replaces the MLP by a
+routed expert block (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+``norm_topk_prob``, ``router_aux_loss_coef``).
 
 The dataclass holds exactly the fields the forward pass needs plus the numeric dtypes jaxrlvr adds
 (compute ``dtype``, storage ``param_dtype``) and the layer-loop choices ``remat`` and
 ``scan_layers``. Fields that only matter to other tools
 (token ids, ``torch_dtype``...) ride along in ``hf_config`` so ``to_hf_config`` round-trips them.
 
-Sliding-window attention and rope scaling other than the default are rejected with a clear error:
-Qwen2.5 checkpoints ship with ``use_sliding_window: false`` and no scaling.
+Refused in one line naming the field (``from_hf_config``): sliding-window attention, rope scaling
+other than the default, activations other than SiLU, Qwen2-MoE's shared expert, and Qwen3-MoE
+layouts that mix dense and sparse layers (``mlp_only_layers`` non-empty or ``decoder_sparse_step``
+> 1: no released Qwen3-MoE has one, and a uniform stack keeps the layer scan).
 """
 
 from __future__ import annotations
@@ -30,6 +39,15 @@ DTypeLike = jax.typing.DTypeLike
 # Short spellings common in training configs (HF TrainingArguments' bf16, "fp32").
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
 _SUPPORTED_ROPE_TYPES = ("default",)
+ModelType = Literal["qwen2", "qwen3", "qwen3_moe"]
+# The MoE block's grouped-matmul kernel (``model.moe``).
+MoEImpl = Literal["auto", "sorted_blocks", "ragged_dot"]
+MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 class ConfigError(ValueError):
@@ -64,7 +82,15 @@ def dtype_name(value: DTypeLike, *, argument: str = "dtype") -> DType:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Qwen2 architecture plus jaxrlvr's numeric and layer-loop choices.
+    """The decoder's architecture (its family is ``model_type``) plus jaxrlvr's numeric and
+    layer-loop choices.
+
+    ``model_type``: "qwen2" (q/k/v biases), "qwen3" (per-head q/k RMSNorm before RoPE; biases on
+    q/k/v/o when ``attention_bias``) or "qwen3_moe" (Qwen3's attention and, in every layer, the
+    routed expert block of ``num_experts`` experts of width ``moe_intermediate_size``, each token
+    sent to ``num_experts_per_tok`` of them; ``norm_topk_prob`` renormalises the chosen gate
+    weights to sum to 1; ``router_aux_loss_coef`` is the checkpoint's load-balancing coefficient,
+    used only where a method turns the auxiliary loss on).
 
     ``remat``: recompute each decoder layer's activations in the backward pass instead of
     keeping them. ``scan_layers``: run the stacked decoder layers with ``lax.scan`` (one layer
@@ -84,6 +110,7 @@ class ModelConfig:
     """
 
     vocab_size: int
+    model_type: ModelType = "qwen2"
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -95,6 +122,13 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
+    moe_impl: MoEImpl = "auto"
     dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: bool = False
@@ -128,12 +162,55 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"model.model_type={self.model_type!r}: expected one of {', '.join(MODEL_TYPES)}"
+            )
+        if self.model_type == "qwen2" and self.attention_bias:
+            raise ConfigError(
+                "model.attention_bias: Qwen2 has fixed q/k/v biases; set only for qwen3"
+            )
+        if self.is_moe:
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if int(getattr(self, key)) <= 0:
+                    raise ConfigError(f"model.{key}={getattr(self, key)!r}: must be positive")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                    f"num_experts={self.num_experts}"
+                )
+        elif self.num_experts:
+            raise ConfigError(
+                f"model.num_experts={self.num_experts}: experts need model_type='qwen3_moe'"
+            )
+        if self.moe_impl not in get_args(MoEImpl):
+            raise ConfigError(
+                f"model.moe_impl={self.moe_impl!r}: expected one of {', '.join(get_args(MoEImpl))}"
+            )
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ConfigError(f"model.lora={self.lora!r}: expected a LoRAConfig or None")
         if self.head_dim % 2:
             raise ConfigError(f"model head_dim={self.head_dim} must be even for rotary embeddings")
 
     # Derived values.
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP of every layer is the routed expert block."""
+        return self.model_type == "qwen3_moe"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+        return self.model_type != "qwen2"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.model_type != "qwen2" and self.attention_bias
+
     @property
     def head_dim(self) -> int:
         if self.head_dim_override is not None:
@@ -156,12 +233,25 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Exact parameter count (the same number transformers reports)."""
+    def num_params(self, *, active: bool = False) -> int:
+        """Exact parameter count (the same number transformers reports). ``active``: only the
+        parameters one token's forward uses (MoE: the router and ``num_experts_per_tok``
+        experts; dense models: all)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         n, k, h = self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        attn = d * n * h + n * h + 2 * (d * k * h + k * h) + n * h * d
-        layer = attn + 3 * d * f + 2 * d
+        attn = d * n * h + 2 * d * k * h + n * h * d
+        if self.qkv_bias:
+            attn += n * h + 2 * k * h
+        if self.o_bias:
+            attn += d
+        if self.qk_norm:
+            attn += 2 * h
+        if self.is_moe:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        else:
+            mlp = 3 * d * f
+        layer = attn + mlp + 2 * d
         embed = v * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + embed + d
 
@@ -174,13 +264,15 @@ class ModelConfig:
         """Model FLOPs per token in rows of ``seq_len`` positions: the one formula behind every
         MFU figure (``bench update``, ``bench gpu_check``).
 
-        Forward: 2 x the matmul parameters (the non-embedding parameters plus the lm_head's
-        V x D, which runs tied or not; the embedding lookup is no matmul) + attention's
+        Forward: 2 x the matmul parameters (the non-embedding parameters a token uses, for MoE
+        its k experts and the router, plus the lm_head's V x D, which runs tied or not; the
+        embedding lookup is no matmul) + attention's
         4 x layers x heads x head_dim x ``seq_len`` (scores and the weighted sum, PaLM's
         appendix B). ``training``: three times that (forward + backward). Rematerialisation's
         recompute is not counted, so a figure built on it is MFU, not hardware utilisation.
         """
-        matmul_params = self.num_non_embedding_params() + self.vocab_size * self.hidden_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        matmul_params = self.num_params(active=True) - embed + self.vocab_size * self.hidden_size
         attention = 4 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
         forward = 2 * matmul_params + attention
         return float(3 * forward if training else forward)
@@ -188,10 +280,27 @@ class ModelConfig:
     # Hugging Face interop.
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
-        """Builds the config from a parsed HF ``config.json`` (model_type must be qwen2)."""
+        """Builds the config from a parsed HF ``config.json`` (model_type qwen2, qwen3 or
+        qwen3_moe); a field the decoder does not implement is refused in one line naming it."""
         model_type = hf.get("model_type")
-        if model_type != "qwen2":
-            raise ConfigError(f"config.json: model_type={model_type!r}, expected 'qwen2'")
+        if model_type == "qwen2_moe":
+            raise ConfigError(
+                "config.json: model_type='qwen2_moe' is not supported (its shared expert, "
+                "shared_expert_intermediate_size, is not implemented)"
+            )
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"config.json: model_type={model_type!r}, expected one of {', '.join(MODEL_TYPES)}"
+            )
+        if hf.get("shared_expert_intermediate_size"):
+            raise ConfigError(
+                "config.json: shared_expert_intermediate_size="
+                f"{hf['shared_expert_intermediate_size']!r}: a shared expert is not supported"
+            )
+        layer_types = hf.get("layer_types") or []
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ConfigError(f"config.json: layer_types has {other[0]!r}; only full_attention")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -224,8 +333,35 @@ class ModelConfig:
             initializer_range=float(hf.get("initializer_range", 0.02)),
             hf_config=dict(hf),
         )
+        if model_type == "qwen3" and "head_dim" not in hf:
+            fields["head_dim_override"] = 128  # Qwen3Config's default (null: hidden / heads)
         if fields["head_dim_override"] == fields["hidden_size"] // fields["num_attention_heads"]:
             fields["head_dim_override"] = None
+        if model_type != "qwen2":
+            fields["attention_bias"] = bool(hf.get("attention_bias", False))
+        if model_type == "qwen3_moe":
+            step = hf.get("decoder_sparse_step", 1)
+            if step != 1:
+                raise ConfigError(
+                    f"config.json: decoder_sparse_step={step!r}: mixed dense and sparse layers "
+                    "are not supported (only 1)"
+                )
+            if hf.get("mlp_only_layers"):
+                raise ConfigError(
+                    f"config.json: mlp_only_layers={hf['mlp_only_layers']!r}: mixed dense and "
+                    "sparse layers are not supported (only [])"
+                )
+            num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+            fields.update(
+                model_type="qwen3_moe",
+                num_experts=int(num_experts),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            )
+        else:
+            fields["model_type"] = model_type
         fields.update(overrides)
         return cls(**fields)
 
@@ -244,7 +380,7 @@ class ModelConfig:
         return cls.from_hf_config(hf, **overrides)
 
     def to_hf_config(self, *, untied: bool = False) -> dict[str, Any]:
-        """A config.json dict that transformers' Qwen2Config (and vLLM) load.
+        """A config.json dict that transformers' config class of ``model_type`` (and vLLM) load.
 
         ``untied``: say ``tie_word_embeddings: false`` whatever the model does, for a checkpoint
         that stores ``lm_head.weight`` as its own copy of the embedding (the vLLM export).
@@ -253,8 +389,8 @@ class ModelConfig:
         for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
             out.pop(stale, None)
         out.update(
-            architectures=["Qwen2ForCausalLM"],
-            model_type="qwen2",
+            architectures=[_ARCHITECTURES[self.model_type]],
+            model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -275,8 +411,22 @@ class ModelConfig:
         out.setdefault("sliding_window", None)
         out.setdefault("max_window_layers", self.num_hidden_layers)
         out["layer_types"] = ["full_attention"] * self.num_hidden_layers
-        if self.head_dim_override is not None:
-            out["head_dim"] = self.head_dim_override
+        if self.head_dim_override is not None or self.model_type != "qwen2":
+            out["head_dim"] = self.head_dim
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.attention_bias
+        if self.is_moe:
+            out.pop("num_local_experts", None)  # transformers >= 5.20's name for num_experts
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                output_router_logits=False,
+            )
         return out
 
     # Presets.

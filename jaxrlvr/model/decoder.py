@@ -1,7 +1,10 @@
-"""Qwen2 / Qwen2.5 causal language model in Flax NNX, with a KV cache for incremental decoding.
+"""The decoder of Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE in Flax NNX, with a KV cache.
 
 One decoder: the training forward, prefill and one-token decode all run ``_decoder_layer``; only
-the form of the attention product differs with the shapes (see ``grouped_attention``).
+the form of the attention product differs with the shapes (see ``grouped_attention``). The
+family is configuration (``ModelConfig.model_type``): q/k/v (and o) biases, Qwen3's per-head
+``q_norm`` / ``k_norm`` (RMSNorm over head_dim, before RoPE), and for Qwen3-MoE the routed
+expert block (``model.moe``) in place of the MLP of every layer.
 
 Attribute names mirror transformers' ``Qwen2ForCausalLM`` (``model.embed_tokens``,
 ``model.layers.self_attn.q_proj``, ``input_layernorm``, ``lm_head``) so the weight map in
@@ -22,7 +25,12 @@ completion's queries see its own segment and its group's prompt, the prompt's qu
 prompt (``rollout.pack(share_prompts=...)``). Values equal those of each completion packed after
 its own copy of the prompt.
 
-Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 uses none of them).
+MoE outputs: ``backbone(..., with_router=True)`` also returns a ``moe.RouterOutput`` (every
+layer's chosen experts and load statistics, for the auxiliary loss, metrics and routing
+replay); ``routes`` [L, B, T, k] (int, -1 = live top-k) forces the experts (routing replay).
+
+Left out on purpose: sliding-window attention, rope scaling, dropout (Qwen2.5 and Qwen3 use none
+of them).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrlvr.model import grad_sink, lora, sharding
+from jaxrlvr.model import grad_sink, lora, moe, sharding
 from jaxrlvr.model.config import ModelConfig
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -112,14 +120,17 @@ class Projection(nnx.Module):
             self.lora_b = None
 
 
-class Qwen2Attention(nnx.Module):
+class Attention(nnx.Module):
+    """q/k/v/o projections (biases as the family has them) and Qwen3's q_norm / k_norm."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kw = dict(cfg=cfg, rngs=rngs, stack=stack)
+        qkv_bias = cfg.qkv_bias
         self.q_proj = Projection(
             (d, n, h),
             ("embed", "heads", "head_dim"),
-            (n, h),
+            (n, h) if qkv_bias else None,
             ("heads", "head_dim"),
             **kw,
             name="q_proj",
@@ -127,7 +138,7 @@ class Qwen2Attention(nnx.Module):
         self.k_proj = Projection(
             (d, k, h),
             ("embed", "kv_heads", "head_dim"),
-            (k, h),
+            (k, h) if qkv_bias else None,
             ("kv_heads", "head_dim"),
             **kw,
             name="k_proj",
@@ -135,13 +146,54 @@ class Qwen2Attention(nnx.Module):
         self.v_proj = Projection(
             (d, k, h),
             ("embed", "kv_heads", "head_dim"),
-            (k, h),
+            (k, h) if qkv_bias else None,
             ("kv_heads", "head_dim"),
             **kw,
             name="v_proj",
         )
         self.o_proj = Projection(
-            (n, h, d), ("heads", "head_dim", "embed"), None, None, **kw, name="o_proj", num_in=2
+            (n, h, d),
+            ("heads", "head_dim", "embed"),
+            (d,) if cfg.o_bias else None,
+            ("embed",),
+            **kw,
+            name="o_proj",
+            num_in=2,
+        )
+        if cfg.qk_norm:
+            dtype = cfg.storage_dtype
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3-MoE's routed experts (``model.moe``): the router ``gate`` (kernel [D, E], HF's
+    ``mlp.gate.weight`` transposed) and ``experts`` (stacked [E, ...] kernels)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, e = cfg.hidden_size, cfg.num_experts
+        self.gate = Projection(
+            (d, e), ("embed", None), None, None, cfg=cfg, rngs=rngs, stack=stack, name="gate"
+        )
+        self.experts = Experts(cfg, rngs=rngs, stack=stack)
+
+
+class Experts(nnx.Module):
+    """The experts' SwiGLU kernels, ``gate_proj`` / ``up_proj`` [E, D, F] and ``down_proj``
+    [E, F, D] (leading ``layers`` axis when stacked), the expert axis logically ``expert``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        lead, lead_axes = ((stack,), ("layers",)) if stack else ((), ())
+        std, dtype = cfg.initializer_range, cfg.storage_dtype
+        in_axes = lead_axes + ("expert", "embed", "mlp")
+        self.gate_proj = _param(rngs, lead + (e, d, f), std, dtype, in_axes)
+        self.up_proj = _param(rngs, lead + (e, d, f), std, dtype, in_axes)
+        self.down_proj = _param(
+            rngs, lead + (e, f, d), std, dtype, lead_axes + ("expert", "mlp", "embed")
         )
 
 
@@ -159,8 +211,11 @@ class Qwen2DecoderLayers(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         stack = cfg.num_hidden_layers
-        self.self_attn = Qwen2Attention(cfg, rngs=rngs, stack=stack)
-        self.mlp = Qwen2MLP(cfg, rngs=rngs, stack=stack)
+        self.self_attn = Attention(cfg, rngs=rngs, stack=stack)
+        if cfg.is_moe:
+            self.mlp = SparseMoeBlock(cfg, rngs=rngs, stack=stack)
+        else:
+            self.mlp = Qwen2MLP(cfg, rngs=rngs, stack=stack)
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype, stack=stack
         )
@@ -305,7 +360,7 @@ def _fuse_qkv(mesh, cfg: ModelConfig) -> bool:
     return cfg.num_key_value_heads % tp == 0
 
 
-def _project_qkv(attn: Qwen2Attention, cfg, h):
+def _project_qkv(attn: Attention, cfg, h):
     """q [B, T, N, H] and k, v [B, T, K, H] from ONE matmul.
 
     The kernels are joined along the query-group axis into [D, K, G + 2, H] (each kv head's G
@@ -322,8 +377,9 @@ def _project_qkv(attn: Qwen2Attention, cfg, h):
         return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2).astype(dtype)
 
     kernel = join(*(p.kernel.get_value() for p in (attn.q_proj, attn.k_proj, attn.v_proj)), (d,))
-    bias = join(*(p.bias.get_value() for p in (attn.q_proj, attn.k_proj, attn.v_proj)), ())
-    out = dense(h, kernel, 1) + bias
+    out = dense(h, kernel, 1)
+    if attn.q_proj.bias is not None:
+        out = out + join(*(p.bias.get_value() for p in (attn.q_proj, attn.k_proj, attn.v_proj)), ())
     q = out[:, :, :, :g].reshape(b, t, kv * g, hd)
     return q, out[:, :, :, g], out[:, :, :, g + 1]
 
@@ -340,8 +396,14 @@ def _decoder_layer(
     cache_index,
     mesh,
     dropout_key=None,
+    valid_bt=None,
+    routes_btk=None,
 ):
     """One decoder layer on per-layer parameters (``layer`` holds one slice of the stack).
+
+    Returns (x, k_cache, v_cache, router): ``router`` is None for a dense MLP, else this layer's
+    (expert ids [B, T, k], counts [E], prob_sum [E]) over the tokens ``valid_bt`` marks
+    (``moe.RouterOutput``); ``routes_btk`` forces the experts (routing replay, -1 = live).
 
     Projections that read the same input run as one matmul: q/k/v (when ``_fuse_qkv``) and
     gate/up (kernels stacked as [D, 2, F], the sharded ``mlp`` axis untouched). LoRA adapters
@@ -375,6 +437,8 @@ def _decoder_layer(
         q, k, v = plus(q, attn.q_proj, h, 0), plus(k, attn.k_proj, h, 1), plus(v, attn.v_proj, h, 2)
     else:
         q, k, v = proj(attn.q_proj, h, 0), proj(attn.k_proj, h, 1), proj(attn.v_proj, h, 2)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), mesh)
     if k_cache is not None:
@@ -393,6 +457,11 @@ def _decoder_layer(
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 
     h = layer.post_attention_layernorm(x)
+    if cfg.is_moe:
+        y, router = _moe_mlp(mlp, cfg, h, valid_bt, routes_btk)
+        x = x + y
+        x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
+        return x, k_cache, v_cache, router
     gate_up = jnp.stack([mlp.gate_proj.kernel.get_value(), mlp.up_proj.kernel.get_value()], axis=1)
     gate_up = dense(h, gate_up.astype(dtype), 1)
     gate, up = (
@@ -403,7 +472,34 @@ def _decoder_layer(
     act = sharding.constrain(act, ("batch", "seq", "mlp"), mesh)
     x = x + proj(mlp.down_proj, act, 6)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
-    return x, k_cache, v_cache
+    return x, k_cache, v_cache, None
+
+
+def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk):
+    """The routed expert block on h [B, T, D] (``model.moe``): (y [B, T, D], router stats)."""
+    dtype = cfg.compute_dtype
+    b, t, d = h.shape
+    k = cfg.num_experts_per_tok
+    x = h.reshape(b * t, d)
+    logits = jnp.matmul(
+        x, block.gate.kernel.get_value().astype(dtype), preferred_element_type=jnp.float32
+    )
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    forced = None if routes_btk is None else routes_btk.reshape(b * t, k)
+    ids, weights = moe.select_experts(probs, k, cfg.norm_topk_prob, forced)
+    ex = block.experts
+    y = moe.grouped_experts(
+        x,
+        ids,
+        weights.astype(dtype),
+        ex.gate_proj.get_value().astype(dtype),
+        ex.up_proj.get_value().astype(dtype),
+        ex.down_proj.get_value().astype(dtype),
+        impl=cfg.moe_impl,
+    )
+    valid = jnp.ones((b * t,), jnp.float32) if valid_bt is None else valid_bt.reshape(b * t)
+    counts, prob_sum = moe.layer_stats(ids, probs, valid)
+    return y.reshape(b, t, d).astype(h.dtype), (ids.reshape(b, t, k), counts, prob_sum)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -421,6 +517,8 @@ def _run_layers(
     cache_index,
     grad_acc,
     dropout_keys=None,
+    valid_bt=None,
+    routes=None,
 ):
     """All decoder layers over the stacked parameters: ``lax.scan``, or unrolled when
     ``cfg.scan_layers`` is False. With ``grad_acc`` (accumulators claimed from a
@@ -430,6 +528,11 @@ def _run_layers(
     cache into its stacked output at every step, where the unrolled loop updates one slot of
     each in place.
 
+    Returns (x, (k caches, v caches), router): ``router`` is each MoE layer's
+    (expert ids, counts, prob_sum) stacked over layers, None for dense models and under
+    ``grad_acc`` (whose custom scan carries no outputs; ``backbone`` does not take that path
+    when it needs them). ``routes`` [L, B, T, k]: forced experts per layer (routing replay).
+
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
     an outer ``jit`` it is simply inlined. ``dropout_keys`` [L, 2]: each layer's LoRA dropout key
@@ -437,12 +540,24 @@ def _run_layers(
     """
 
     def body(x, xs):
-        layer_state, k_l, v_l, key_l = xs
+        layer_state, k_l, v_l, key_l, routes_l = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, k_l, v_l = _decoder_layer(
-            layer, cfg, x, cos, sin, mask_bts, k_l, v_l, cache_index, mesh, key_l
+        x, k_l, v_l, router = _decoder_layer(
+            layer,
+            cfg,
+            x,
+            cos,
+            sin,
+            mask_bts,
+            k_l,
+            v_l,
+            cache_index,
+            mesh,
+            key_l,
+            valid_bt,
+            routes_l,
         )
-        return x, (k_l, v_l)
+        return x, (k_l, v_l, router)
 
     if grad_acc is not None:
         if dropout_keys is not None:
@@ -452,30 +567,70 @@ def _run_layers(
             layer = nnx.merge(graphdef, layer_state)
             return _decoder_layer(layer, cfg, h, *consts, None, None, cache_index, mesh)[0]
 
-        return grad_sink.scan_layers(layer_fn, x, stacked, grad_acc, (cos, sin, mask_bts)), (
-            None,
-            None,
-        )
+        x = grad_sink.scan_layers(layer_fn, x, stacked, grad_acc, (cos, sin, mask_bts))
+        return x, (None, None), None
     if cfg.remat and k_cache is None:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     if k_cache is None:
         if cfg.scan_layers:
-            return jax.lax.scan(body, x, (stacked, None, None, dropout_keys))
+            x, (_, _, router) = jax.lax.scan(body, x, (stacked, None, None, dropout_keys, routes))
+            return x, (None, None), router
     elif cfg.scan_layers and x.shape[1] > 1:
         # Prefill: scan over the caches stacked for the occasion (one copy per call).
-        x, (k_new, v_new) = jax.lax.scan(
-            body, x, (stacked, jnp.stack(k_cache), jnp.stack(v_cache), dropout_keys)
+        x, (k_new, v_new, router) = jax.lax.scan(
+            body, x, (stacked, jnp.stack(k_cache), jnp.stack(v_cache), dropout_keys, routes)
         )
-        return x, (tuple(k_new), tuple(v_new))
+        return x, (tuple(k_new), tuple(v_new)), router
     # Unrolled: the same body on static slices of the stack and each layer's own cache.
-    k_out, v_out = [], []
+    k_out, v_out, routers = [], [], []
     for i in range(cfg.num_hidden_layers):
         kv = (None, None) if k_cache is None else (k_cache[i], v_cache[i])
         key_i = None if dropout_keys is None else dropout_keys[i]
-        x, (k_l, v_l) = body(x, (jax.tree.map(lambda a, i=i: a[i], stacked), *kv, key_i))
+        routes_i = None if routes is None else routes[i]
+        layer_i = jax.tree.map(lambda a, i=i: a[i], stacked)
+        x, (k_l, v_l, router) = body(x, (layer_i, *kv, key_i, routes_i))
         k_out.append(k_l)
         v_out.append(v_l)
-    return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out))
+        routers.append(router)
+    router = None if routers[0] is None else jax.tree.map(lambda *r: jnp.stack(r), *routers)
+    return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out)), router
+
+
+def attention_mask_bts(
+    b: int,
+    t: int,
+    attention_mask=None,
+    *,
+    segment_ids=None,
+    prompt_group_ids=None,
+    cache_length: int | None = None,
+    cache_index=0,
+) -> jax.Array:
+    """The boolean attention mask [B, T, S] (True = attend) of ``CausalLM.backbone``: causal by
+    index, keys where ``attention_mask`` is set; packed rows' segments and shared prompts (module
+    docstring); with a cache of ``cache_length`` slots, queries at slots ``cache_index + t``."""
+    if cache_length is None:
+        s, query_slots = t, jnp.arange(t)
+    else:
+        s, query_slots = cache_length, cache_index + jnp.arange(t)
+    key_valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+    slots = jnp.arange(s)
+    mask_bts = (slots[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]
+    if segment_ids is not None:
+        if cache_length is not None:
+            raise ValueError("segment_ids (packed rows) are for the cache-free forward")
+        seg = segment_ids.astype(jnp.int32)
+        same = seg[:, :, None] == seg[:, None, :]
+        if prompt_group_ids is not None:
+            grp = prompt_group_ids.astype(jnp.int32)
+            shared_prompt = (seg == 0) & (grp != 0)  # keys of a group's shared prompt
+            same = (same & (seg != 0)[:, :, None]) | (
+                shared_prompt[:, None, :] & (grp[:, :, None] == grp[:, None, :])
+            )
+        mask_bts = mask_bts & same
+    elif prompt_group_ids is not None:
+        raise ValueError("prompt_group_ids (shared prompts) need segment_ids")
+    return mask_bts
 
 
 class CausalLM(nnx.Module):
@@ -488,7 +643,7 @@ class CausalLM(nnx.Module):
     where ``attention_mask`` [B, S] (the cache's valid-slot mask, new tokens included) is set; the
     call then returns ``(logits, new_cache)``. The same call serves prefill (T prompt tokens) and
     decode (T = 1, ``cache_index`` traced so every step reuses one program); it runs the same
-    layer function as the training forward.
+    layer function as the training forward. Every keyword of ``backbone`` is accepted.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh=None):
@@ -519,45 +674,40 @@ class CausalLM(nnx.Module):
         prompt_group_ids=None,
         cache=None,
         cache_index=0,
+        routes=None,
+        with_router: bool = False,
     ):
         """Final hidden states [B, T, D] (after the last norm), and the updated cache or None.
 
         ``segment_ids`` [B, T] (packed rows, no cache): a query attends only to keys of its own
         segment (block-diagonal causal mask). ``prompt_group_ids`` [B, T] (with ``segment_ids``):
         shared prompts (module docstring), a query also attends to the keys of segment 0 that
-        carry its group number."""
+        carry its group number.
+
+        MoE only: ``routes`` [L, B, T, k] int forces each layer's experts (routing replay; a
+        token with a -1 uses its live top-k); ``with_router``: return a third value, the
+        ``moe.RouterOutput`` of the call (None for a dense model), its statistics over the
+        tokens ``attention_mask`` marks (over the T new tokens of a cached call)."""
         cfg, mesh = self.config, self.mesh
         b, t = input_ids.shape
+        if routes is not None and not cfg.is_moe:
+            raise ValueError("routes (routing replay) need a MoE model (model_type qwen3_moe)")
         if position_ids is None:
             position_ids = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
-        if cache is None:
-            key_valid = (
-                jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-            )
-            slots = jnp.arange(t)
-            query_slots = slots
-        else:
-            s = cache.max_length
-            key_valid = (
-                jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
-            )
-            slots = jnp.arange(s)
-            query_slots = cache_index + jnp.arange(t)
-        mask_bts = (slots[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed rows) are for the cache-free forward")
-            seg = segment_ids.astype(jnp.int32)
-            same = seg[:, :, None] == seg[:, None, :]
-            if prompt_group_ids is not None:
-                grp = prompt_group_ids.astype(jnp.int32)
-                shared_prompt = (seg == 0) & (grp != 0)  # keys of a group's shared prompt
-                same = (same & (seg != 0)[:, :, None]) | (
-                    shared_prompt[:, None, :] & (grp[:, :, None] == grp[:, None, :])
-                )
-            mask_bts = mask_bts & same
-        elif prompt_group_ids is not None:
-            raise ValueError("prompt_group_ids (shared prompts) need segment_ids")
+        mask_bts = attention_mask_bts(
+            b,
+            t,
+            attention_mask,
+            segment_ids=segment_ids,
+            prompt_group_ids=prompt_group_ids,
+            cache_length=None if cache is None else cache.max_length,
+            cache_index=cache_index,
+        )
+        valid_bt = None
+        if cfg.is_moe and attention_mask is not None:
+            valid_bt = attention_mask.astype(jnp.float32)
+            if cache is not None:  # the cache's slot mask: the T new tokens' slots
+                valid_bt = jax.lax.dynamic_slice_in_dim(valid_bt, cache_index, t, axis=1)
 
         embedding = self.model.embed_tokens.embedding.get_value()
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.compute_dtype)
@@ -566,15 +716,17 @@ class CausalLM(nnx.Module):
 
         graphdef, stacked = nnx.split(self.model.layers)
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
-        # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack.
-        fused = cache is None and cfg.scan_layers and cfg.remat
+        # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack;
+        # its custom scan carries no per-layer inputs or outputs (routes, router statistics).
+        router_io = cfg.is_moe and (with_router or routes is not None)
+        fused = cache is None and cfg.scan_layers and cfg.remat and not router_io
         grad_acc = grad_sink.claim(stacked) if fused else None
         # LoRA dropout: only inside an update's ``lora.dropout_rng`` block (training forward).
         key = lora.current_dropout_rng()
         dropout_keys = None
         if key is not None and cache is None and cfg.lora is not None and cfg.lora.dropout > 0:
             dropout_keys = jax.random.split(key, cfg.num_hidden_layers)
-        x, (k_new, v_new) = _run_layers(
+        x, (k_new, v_new), router = _run_layers(
             graphdef,
             cfg,
             mesh,
@@ -587,10 +739,18 @@ class CausalLM(nnx.Module):
             cache_index,
             grad_acc,
             dropout_keys,
+            valid_bt,
+            routes,
         )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
-        return x, new_cache
+        if not with_router:
+            return x, new_cache
+        if router is None:
+            return x, new_cache, None
+        ids, counts, prob_sum = router
+        num_tokens = jnp.float32(b * t) if valid_bt is None else jnp.sum(valid_bt)
+        return x, new_cache, moe.RouterOutput(ids, counts, prob_sum, num_tokens)
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection's stored (master) array: the tied embedding [V, D], or the
@@ -609,28 +769,14 @@ class CausalLM(nnx.Module):
         logits = dense(hidden.astype(cd), w, 1, preferred_element_type=dtype)
         return sharding.constrain(logits.astype(dtype), ("batch", "seq", "vocab"), self.mesh)
 
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        position_ids=None,
-        *,
-        segment_ids=None,
-        prompt_group_ids=None,
-        cache=None,
-        cache_index=0,
-    ):
-        hidden, new_cache = self.backbone(
-            input_ids,
-            attention_mask,
-            position_ids,
-            segment_ids=segment_ids,
-            prompt_group_ids=prompt_group_ids,
-            cache=cache,
-            cache_index=cache_index,
-        )
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        """Logits [B, T, V] float32 (``(logits, new_cache)`` with a cache; a router output last
+        with ``with_router``); ``kwargs`` are ``backbone``'s."""
+        hidden, *rest = self.backbone(input_ids, attention_mask, position_ids, **kwargs)
         logits = self.lm_logits(hidden)
-        return logits if cache is None else (logits, new_cache)
+        if kwargs.get("cache") is None:
+            rest = rest[1:]
+        return logits if not rest else (logits, *rest)
 
 
 # The name the package used before Qwen3: kept so that code written against it keeps working.

@@ -5,7 +5,19 @@ rules table maps each logical name to mesh axes of the mesh ``('data', 'fsdp', '
 
 - ``embed`` is sharded over ``fsdp`` (ZeRO-3 style: weights gathered per layer on use),
 - ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor`` (Megatron-style column/row split),
-- activations' ``batch`` over ``('data', 'fsdp')``.
+- activations' ``batch`` over ``('data', 'fsdp')``,
+- ``expert`` (the stacked experts of a MoE block, ``[E, ...]``) over ``fsdp``.
+
+Why experts go on ``fsdp`` and not on a new ``expert`` mesh axis: ``fsdp`` already means
+"parameters and their optimiser moments split across these devices, gathered per layer on use",
+which is what sharding whole experts needs for memory (Qwen3-30B-A3B's experts are 94% of its
+weights); a fourth mesh axis would change the ``('data', 'fsdp', 'tensor')`` mesh that every
+config, checkpoint restore, sampler and multi-process run assumes. A dimension takes a mesh axis
+only once, so an expert kernel [E, D, F] puts ``fsdp`` on E (whole experts per device) and
+leaves ``embed`` whole, while ``mlp`` stays on ``tensor``; when E is not divisible by the fsdp
+size, ``embed`` takes ``fsdp`` as in a dense layer. Compute-side expert parallelism (tokens sent
+to the devices of their experts with an all-to-all under ``shard_map``) is future work; today
+XLA gathers the experts of a layer like any fsdp-sharded weight.
 
 A dimension whose size is not divisible by its mesh axes is replicated rather than failing, so
 the same rules work for tiny test models and real checkpoints.
@@ -37,6 +49,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "expert": "fsdp",
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint I/O: safetensors <-> the NNX Qwen2 model, exactly.
+"""Hugging Face checkpoint I/O: safetensors <-> the NNX decoder (Qwen2, Qwen3, Qwen3-MoE), exactly.
 
 ``load_hf`` reads config.json and single-file or index-sharded safetensors; every tensor is
 validated (name set, shapes) before any array is built, so a bad checkpoint fails with one line
@@ -9,7 +9,11 @@ device never materialises whole on one device.
 ``save_hf_params`` is the one writer of HF files: ``save_hf`` (a model) and the vLLM weight
 export (``sampling.weight_export``) call it. ``hf_state_dict`` gives transformers' names and
 layouts; the map is one table, ``_TENSORS``: HF name template, our parameter path, and the
-reshapes between HF's [out, in] matrices and our per-head einsum kernels.
+reshapes between HF's [out, in] matrices and our per-head einsum kernels. Each entry says which
+configs have it (``when``: biases by family, Qwen3's q/k norms, dense MLP or MoE block) and how
+many stacked axes it has (``stack``: 0 whole, 1 per layer ``{i}``, 2 per layer and expert
+``{j}``: Qwen3-MoE checkpoints store one matrix per expert, ``mlp.experts.{j}.gate_proj.weight``,
+the layout vLLM and the released checkpoints use; transformers >= 5 converts it on load).
 """
 
 from __future__ import annotations
@@ -65,12 +69,12 @@ class CheckpointError(RuntimeError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    hf_name: str  # may contain {i} for per-layer tensors
+    hf_name: str  # may contain {i} (layer) and {j} (expert)
     path: tuple[str, ...]  # our parameter path in the NNX state
     to_ours: Callable  # (np array in HF layout, cfg) -> our per-layer layout
     to_hf: Callable  # (our per-layer array, cfg) -> HF layout
-    per_layer: bool = True
-    untied_only: bool = False
+    stack: int = 1  # leading stacked axes of our array: 0, 1 (layers), 2 (layers, experts)
+    when: Callable[[ModelConfig], bool] = lambda cfg: True  # noqa: E731
 
 
 def _identity(w, cfg):
@@ -120,11 +124,16 @@ _TENSORS: tuple[_Tensor, ...] = (
         ("model", "embed_tokens", "embedding"),
         _identity,
         _identity,
-        False,
+        0,
     ),
-    _Tensor("model.norm.weight", ("model", "norm", "weight"), _identity, _identity, False),
+    _Tensor("model.norm.weight", ("model", "norm", "weight"), _identity, _identity, 0),
     _Tensor(
-        "lm_head.weight", ("lm_head", "kernel"), _transpose, _transpose, False, untied_only=True
+        "lm_head.weight",
+        ("lm_head", "kernel"),
+        _transpose,
+        _transpose,
+        0,
+        when=lambda cfg: not cfg.tie_word_embeddings,
     ),
     _Tensor(
         _L + "self_attn.q_proj.weight",
@@ -137,6 +146,7 @@ _TENSORS: tuple[_Tensor, ...] = (
         ("model", "layers", "self_attn", "q_proj", "bias"),
         _qb_in,
         _flatten,
+        when=lambda cfg: cfg.qkv_bias,
     ),
     _Tensor(
         _L + "self_attn.k_proj.weight",
@@ -149,6 +159,7 @@ _TENSORS: tuple[_Tensor, ...] = (
         ("model", "layers", "self_attn", "k_proj", "bias"),
         _kvb_in,
         _flatten,
+        when=lambda cfg: cfg.qkv_bias,
     ),
     _Tensor(
         _L + "self_attn.v_proj.weight",
@@ -161,6 +172,7 @@ _TENSORS: tuple[_Tensor, ...] = (
         ("model", "layers", "self_attn", "v_proj", "bias"),
         _kvb_in,
         _flatten,
+        when=lambda cfg: cfg.qkv_bias,
     ),
     _Tensor(
         _L + "self_attn.o_proj.weight",
@@ -169,22 +181,77 @@ _TENSORS: tuple[_Tensor, ...] = (
         _o_out,
     ),
     _Tensor(
+        _L + "self_attn.o_proj.bias",
+        ("model", "layers", "self_attn", "o_proj", "bias"),
+        _identity,
+        _identity,
+        when=lambda cfg: cfg.o_bias,
+    ),
+    _Tensor(
+        _L + "self_attn.q_norm.weight",
+        ("model", "layers", "self_attn", "q_norm", "weight"),
+        _identity,
+        _identity,
+        when=lambda cfg: cfg.qk_norm,
+    ),
+    _Tensor(
+        _L + "self_attn.k_norm.weight",
+        ("model", "layers", "self_attn", "k_norm", "weight"),
+        _identity,
+        _identity,
+        when=lambda cfg: cfg.qk_norm,
+    ),
+    _Tensor(
+        _L + "mlp.gate.weight",
+        ("model", "layers", "mlp", "gate", "kernel"),
+        _transpose,
+        _transpose,
+        when=lambda cfg: cfg.is_moe,
+    ),
+    _Tensor(
         _L + "mlp.gate_proj.weight",
         ("model", "layers", "mlp", "gate_proj", "kernel"),
         _transpose,
         _transpose,
+        when=lambda cfg: not cfg.is_moe,
+    ),
+    _Tensor(
+        _L + "mlp.experts.{j}.gate_proj.weight",
+        ("model", "layers", "mlp", "experts", "gate_proj"),
+        _transpose,
+        _transpose,
+        stack=2,
+        when=lambda cfg: cfg.is_moe,
     ),
     _Tensor(
         _L + "mlp.up_proj.weight",
         ("model", "layers", "mlp", "up_proj", "kernel"),
         _transpose,
         _transpose,
+        when=lambda cfg: not cfg.is_moe,
+    ),
+    _Tensor(
+        _L + "mlp.experts.{j}.up_proj.weight",
+        ("model", "layers", "mlp", "experts", "up_proj"),
+        _transpose,
+        _transpose,
+        stack=2,
+        when=lambda cfg: cfg.is_moe,
     ),
     _Tensor(
         _L + "mlp.down_proj.weight",
         ("model", "layers", "mlp", "down_proj", "kernel"),
         _transpose,
         _transpose,
+        when=lambda cfg: not cfg.is_moe,
+    ),
+    _Tensor(
+        _L + "mlp.experts.{j}.down_proj.weight",
+        ("model", "layers", "mlp", "experts", "down_proj"),
+        _transpose,
+        _transpose,
+        stack=2,
+        when=lambda cfg: cfg.is_moe,
     ),
     _Tensor(
         _L + "input_layernorm.weight",
@@ -202,14 +269,31 @@ _TENSORS: tuple[_Tensor, ...] = (
 
 
 def _active_tensors(cfg: ModelConfig):
-    return [t for t in _TENSORS if not (t.untied_only and cfg.tie_word_embeddings)]
+    return [t for t in _TENSORS if t.when(cfg)]
+
+
+def _stack_indices(entry: _Tensor, cfg: ModelConfig):
+    """(index tuple, HF name) of every tensor of ``entry``: () for a whole tensor, (i,) per
+    layer, (i, j) per layer and expert."""
+    layers = range(cfg.num_hidden_layers)
+    if entry.stack == 0:
+        return [((), entry.hf_name)]
+    if entry.stack == 1:
+        return [((i,), entry.hf_name.format(i=i)) for i in layers]
+    return [
+        ((i, j), entry.hf_name.format(i=i, j=j)) for i in layers for j in range(cfg.num_experts)
+    ]
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, for every tensor a checkpoint of ``cfg`` must hold."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_layer = {
+    fe = cfg.moe_intermediate_size
+    shapes_by_entry = {
+        "model.embed_tokens.weight": (v, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (v, d),
         "self_attn.q_proj.weight": (n * h, d),
         "self_attn.q_proj.bias": (n * h,),
         "self_attn.k_proj.weight": (k * h, d),
@@ -217,18 +301,24 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (k * h, d),
         "self_attn.v_proj.bias": (k * h,),
         "self_attn.o_proj.weight": (d, n * h),
+        "self_attn.o_proj.bias": (d,),
+        "self_attn.q_norm.weight": (h,),
+        "self_attn.k_norm.weight": (h,),
+        "mlp.gate.weight": (cfg.num_experts, d),
         "mlp.gate_proj.weight": (f, d),
         "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
+        "mlp.experts.{j}.gate_proj.weight": (fe, d),
+        "mlp.experts.{j}.up_proj.weight": (fe, d),
+        "mlp.experts.{j}.down_proj.weight": (d, fe),
         "input_layernorm.weight": (d,),
         "post_attention_layernorm.weight": (d,),
     }
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    for i in range(cfg.num_hidden_layers):
-        for name, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{name}"] = shape
+    shapes = {}
+    for entry in _active_tensors(cfg):
+        shape = shapes_by_entry[entry.hf_name.removeprefix(_L)]
+        for _, name in _stack_indices(entry, cfg):
+            shapes[name] = shape
     return shapes
 
 
@@ -366,16 +456,19 @@ def load_hf(
         else:
             target = sharding.logical_sharding(var.logical_axes, shape, mesh)
 
-        @functools.lru_cache(maxsize=2)
-        def layer(i: int) -> np.ndarray:
-            name = entry.hf_name.format(i=i)
+        @functools.lru_cache(maxsize=2 + (cfg.num_experts if entry.stack == 2 else 0))
+        def tensor(*ij: int) -> np.ndarray:
+            name = entry.hf_name.format(**dict(zip("ij", ij)))
             return np.asarray(entry.to_ours(_read(files, name, handles), cfg)).astype(storage)
 
         def callback(index):
-            if not entry.per_layer:
-                return layer(0)[index]
+            if entry.stack == 0:
+                return tensor()[index]
             layers = range(*index[0].indices(shape[0]))
-            return np.stack([layer(i)[index[1:]] for i in layers])
+            if entry.stack == 1:
+                return np.stack([tensor(i)[index[1:]] for i in layers])
+            experts = range(*index[1].indices(shape[1]))
+            return np.stack([np.stack([tensor(i, j)[index[2:]] for j in experts]) for i in layers])
 
         return jax.make_array_from_callback(shape, target, callback)
 
@@ -430,11 +523,8 @@ def hf_state_dict(
         for key in entry.path:
             arr = arr[key]
         arr = np.asarray(arr)
-        if entry.per_layer:
-            for i in range(cfg.num_hidden_layers):
-                out[entry.hf_name.format(i=i)] = np.ascontiguousarray(entry.to_hf(arr[i], cfg))
-        else:
-            out[entry.hf_name] = np.ascontiguousarray(entry.to_hf(arr, cfg))
+        for index, name in _stack_indices(entry, cfg):
+            out[name] = np.ascontiguousarray(entry.to_hf(arr[index], cfg))
     return out
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by model tests: tiny random transformers Qwen2 models and input builders.
+"""Helpers shared by model tests: tiny random transformers Qwen2 / Qwen3 / Qwen3-MoE models and
+input builders.
 
 Weights are re-drawn with a larger scale than HF's 0.02 init (and non-trivial norm weights and
 biases), so logits have a standard deviation of order 1 and attention is far from uniform: a 1e-4
@@ -38,14 +39,33 @@ class HFCheckpoint:
     torch_model: object  # the transformers Qwen2ForCausalLM it came from (float32, eval mode)
 
 
-def make_torch_model(*, tie: bool, seed: int = 0, **overrides):
-    """A random float32 transformers Qwen2ForCausalLM with O(1) logits."""
+# Qwen3 / Qwen3-MoE fixtures: the tiny shape with an explicit head_dim of 32 (not hidden / heads
+# = 16, so the explicit field is exercised; vLLM-CPU needs head_dim >= 32) and, for the MoE,
+# 8 experts of width 32, top-2.
+QWEN3_HF = {**TINY_HF, "head_dim": 32}
+QWEN3_MOE_HF = {
+    **QWEN3_HF,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+
+
+def make_torch_model(*, tie: bool, seed: int = 0, family: str = "qwen2", **overrides):
+    """A random float32 transformers model of ``family`` (qwen2, qwen3, qwen3_moe) with O(1)
+    logits."""
     import torch
     import transformers
 
-    cfg = transformers.Qwen2Config(**{**TINY_HF, **overrides}, tie_word_embeddings=tie)
+    config_cls, model_cls, base = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, TINY_HF),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3_HF),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE_HF),
+    }[family]
+    cfg = config_cls(**{**base, **overrides}, tie_word_embeddings=tie)
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32).eval()
+    model = model_cls(cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,9 +79,11 @@ def make_torch_model(*, tie: bool, seed: int = 0, **overrides):
     return model
 
 
-def write_checkpoint(directory: pathlib.Path, *, tie: bool, seed: int = 0, **save_kwargs):
-    model = make_torch_model(tie=tie, seed=seed)
-    model.save_pretrained(directory, **save_kwargs)
+def write_checkpoint(
+    directory: pathlib.Path, *, tie: bool, seed: int = 0, family: str = "qwen2", **overrides
+):
+    model = make_torch_model(tie=tie, seed=seed, family=family, **overrides)
+    model.save_pretrained(directory)
     return HFCheckpoint(path=pathlib.Path(directory), torch_model=model)
 
 

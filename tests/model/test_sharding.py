@@ -59,6 +59,7 @@ GOLDEN_RULES = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "expert": "fsdp",  # MoE experts [E, ...]: whole experts per fsdp shard
 }
 
 
