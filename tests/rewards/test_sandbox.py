@@ -724,3 +724,15 @@ def test_remove_tree_is_not_defeated_by_depth_names_or_modes():
     with pytest.raises(TimeoutError):
         sandbox_harness.remove_tree(root, budget_s=-1.0)
     shutil.rmtree(root)
+
+
+def test_sandbox_none_refuses_a_standard_library_others_cannot_read(monkeypatch, tmp_path):
+    import sysconfig
+
+    closed = tmp_path / "lib"
+    closed.mkdir(mode=0o700)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(closed), "platstdlib": ""})
+    with pytest.raises(sandbox.SandboxUnavailable) as err:
+        sandbox.check_unsandboxed_python(sandbox.base_python())
+    message = str(err.value)
+    assert "\n" not in message and str(closed) in message and "0700" in message
