@@ -46,6 +46,7 @@ import dataclasses
 import json
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import stat
@@ -226,8 +227,12 @@ def find_bwrap() -> str:
     return path
 
 
-def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
-    """The bubblewrap command line that starts the harness."""
+def bwrap_command(
+    cfg: SandboxConfig, python: str, uid_base: int, mounts: str | None = None
+) -> list[str]:
+    """The bubblewrap command line that starts the harness. ``mounts``: a directory holding
+    ``tmp`` and ``shm`` tmpfs mounts made by ``private_tmpfs_command`` (bound at ``/tmp`` and
+    ``/dev/shm``); None: bubblewrap's own size-limited tmpfs mounts (no inode limit)."""
     root = os.geteuid() == 0
     cmd = [find_bwrap(), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
     cmd += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
@@ -253,13 +258,44 @@ def bwrap_command(cfg: SandboxConfig, python: str, uid_base: int) -> list[str]:
     cmd += ["--ro-bind", HARNESS_PATH, _HARNESS_IN_SANDBOX]
     cmd += ["--dev", "/dev", "--proc", "/proc", "--mqueue", "/dev/mqueue"]
     # /dev/shm (POSIX shared memory) on a size-limited tmpfs of its own, not bwrap's /dev.
-    cmd += ["--size", str(cfg.shared_mb << 20), "--perms", "1777", "--tmpfs", "/dev/shm"]
-    cmd += ["--size", str(cfg.tmp_mb << 20), "--perms", "0711", "--tmpfs", "/tmp"]
+    if mounts is not None:
+        cmd += ["--bind", os.path.join(mounts, "shm"), "/dev/shm"]
+        cmd += ["--bind", os.path.join(mounts, "tmp"), "/tmp"]
+    else:
+        cmd += ["--size", str(cfg.shared_mb << 20), "--perms", "1777", "--tmpfs", "/dev/shm"]
+        cmd += ["--size", str(cfg.tmp_mb << 20), "--perms", "0711", "--tmpfs", "/tmp"]
     cmd += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
     cmd += [python, "-I", "-S", "-B", _HARNESS_IN_SANDBOX, "--sweep"]
     if root:
         cmd += ["--uid-base", str(uid_base)]
     return cmd
+
+
+def private_tmpfs_command(cfg: SandboxLimits, mounts: str, cmd: list[str]) -> list[str] | None:
+    """``cmd`` run in a private mount namespace (``unshare``, root only) where ``mounts/tmp``
+    and ``mounts/shm`` are tmpfs mounts with a size and a kernel inode limit (``nr_inodes``:
+    ``max_files``; bubblewrap's ``--tmpfs`` sets only a size). Nothing of them is visible on the
+    host, and they vanish with the sandbox. None where ``unshare`` or ``mount`` is missing."""
+    unshare, mount = shutil.which("unshare"), shutil.which("mount")
+    if os.geteuid() != 0 or unshare is None or mount is None:
+        return None
+    m = shlex.quote(mounts)
+    inodes = cfg.max_files + 1  # the root directory is one
+
+    def tmpfs(size_mb: int, mode: str, where: str) -> str:
+        opts = f"size={size_mb << 20},nr_inodes={inodes},mode={mode}"
+        return f"{mount} -t tmpfs -o {opts},nosuid,nodev jaxrlvr {where}"
+
+    script = " && ".join(
+        [
+            f"{mount} -t tmpfs -o size=65536,nr_inodes=8,mode=0755 jaxrlvr {m}",
+            f"mkdir {m}/tmp {m}/shm",
+            tmpfs(cfg.tmp_mb, "0711", f"{m}/tmp"),
+            tmpfs(cfg.shared_mb, "1777", f"{m}/shm"),
+            'exec "$@"',
+        ]
+    )
+    return [unshare, "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh", *cmd]
 
 
 _UID_SLOTS = 64  # sandboxes one process may hold at once
@@ -451,6 +487,7 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._workdir: str | None = None
+        self._mounts: str | None = None  # the private tmpfs mounts' mount point (root)
         try:
             self._start()
         except BaseException:
@@ -461,7 +498,17 @@ class Sandbox:
         cfg = self.cfg
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if cfg.kind == "bwrap":
-            cmd = bwrap_command(cfg, self.python, self.uid_base)
+            if self._mounts is None and os.geteuid() == 0:
+                self._mounts = tempfile.mkdtemp(prefix="jaxrlvr-mounts-")
+            cmd = bwrap_command(cfg, self.python, self.uid_base, self._mounts)
+            if self._mounts is not None:
+                private = private_tmpfs_command(cfg, self._mounts, cmd)
+                if private is None:  # bubblewrap's own tmpfs mounts instead
+                    os.rmdir(self._mounts)
+                    self._mounts = None
+                    cmd = bwrap_command(cfg, self.python, self.uid_base)
+                else:
+                    cmd = private
         else:
             print(
                 "[jaxrlvr] WARNING: reward.sandbox=none: model-written code runs WITHOUT a "
@@ -634,6 +681,12 @@ class Sandbox:
         if self._workdir is not None:
             _remove_quietly(self._workdir)
             self._workdir = None
+        if self._mounts is not None:  # empty on the host: its mounts were private
+            try:
+                os.rmdir(self._mounts)
+            except OSError:
+                pass
+            self._mounts = None
         if self.memory_cgroup is not None:
             self.memory_cgroup.remove()
             self.memory_cgroup = None

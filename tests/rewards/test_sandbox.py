@@ -569,11 +569,17 @@ def test_clean_up_survives_files_made_to_defeat_it(host):
 
 
 def test_inode_bomb_is_stopped_and_cleaned(host):
-    """Millions of empty files would cost kernel memory outside every size limit: the watchdog
-    stops the program at ``max_files`` and the clean-up removes them."""
+    """Millions of empty files would cost kernel memory outside every size limit: the tmpfs
+    inode limit (root) or the watchdog stops the program at ``max_files``, and the clean-up
+    removes them."""
     bomb = "import os\nfor i in range(10**7):\n    open(str(i), 'w').close()\n" + GOOD
     result = host.run(bomb, [code.split_test(t) for t in TASK.tests])
-    assert result.status == "limit_exceeded" and result.passed == (False, False)
+    # As root the tmpfs has a kernel inode limit (the open fails: a program error), else the
+    # watchdog stops it; either way it scores 0.
+    assert result.status in ("limit_exceeded", "program_error") and result.passed == (False, False)
+    if os.geteuid() == 0:
+        limits = "tuple(os.statvfs(p).f_files for p in ('/tmp', '/dev/shm'))"
+        assert probe(host, limits, repr((CFG.max_files + 1,) * 2)).passed == (True,)
     assert grade(SCRATCH)["reward"] == 1.0
     graded_after(host, host.starts)
 
