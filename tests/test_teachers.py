@@ -1,5 +1,5 @@
-"""Distillation teachers: the local JAX teacher's log-probs and top-k against a full forward
-(jaxrlvr.algos.teacher), and the registry's routing and one-line refusals (jaxrlvr.teachers).
+"""Distillation teachers (jaxrlvr.teachers): the local JAX teacher's log-probs and top-k against
+a full forward, and the registry's routing and one-line refusals.
 The vLLM teacher against the local one: tests/sampling/test_vllm_teacher.py."""
 
 import jax
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrlvr import model as jmodel
-from jaxrlvr import teachers
-from jaxrlvr.algos import teacher as teacher_lib
+from jaxrlvr import rollout, teachers
 
 VOCAB = 128
 
@@ -64,17 +63,17 @@ def test_local_teacher_logprobs_and_topk_match_a_full_forward(folder):
     prompts, completions = _pairs(0)
     want = _reference(lm, prompts, completions)
     teacher = teachers.load_teacher(directory)
-    assert isinstance(teacher, teacher_lib.LocalTeacher) and teacher.vocab_size == VOCAB
+    assert isinstance(teacher, teachers.LocalTeacher) and teacher.vocab_size == VOCAB
     got = teacher.completion_logprobs(prompts, completions)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5)  # float32 forward of a 2-layer model
     # Position chunks and microbatches (rows padded to a multiple of 2) change nothing.
-    chunked = teacher_lib.LocalTeacher.load(directory, chunk_size=4, num_microbatches=2)
+    chunked = teachers.LocalTeacher.load(directory, chunk_size=4, num_microbatches=2)
     for g, w in zip(chunked.completion_logprobs(prompts, completions), got):
         np.testing.assert_allclose(g, w, atol=1e-6)
     # Top-k at the completion positions: the reference's k largest, most likely first.
     k = 5
-    batch = teacher_lib.completion_batch(prompts, completions)
+    batch = rollout.to_batch(rollout.pack(prompts, completions, pad_id=0))
     ids, vals = jax.device_get(chunked.topk(batch, k))
     full = _reference(lm, prompts, completions, k=k)
     for i, (p, c) in enumerate(zip(prompts, completions)):

@@ -71,7 +71,7 @@ class Batch:
     behaviour_logp: float32 [B, T] the trainer's log-probs under the parameter version that
     sampled the rollouts (stale batches; ``algos.importance``), optional;
     teacher_logp: float32 [B, T] a distillation teacher's log-probs of the labels
-    (``algos.distill``, ``algos.teacher``), optional;
+    (``algos.distill``, ``jaxrlvr.teachers``), optional;
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).

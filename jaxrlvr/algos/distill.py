@@ -47,7 +47,7 @@ The record (``distill_algorithm``, ``DistillUpdateConfig``) trains the reverse-K
 update skeleton with ``teacher_logp`` as a rollout field; the JSD has its loss here but no update
 yet (it needs the student's logits per position inside the chunked head).
 
-Not here: the teachers' forward passes (``algos.teacher``, ``sampling.vllm_teacher``) and the
+Not here: the teachers' forward passes (``jaxrlvr.teachers``, ``sampling.vllm_teacher``) and the
 choice of a teacher per problem (``jaxrlvr.teachers``).
 """
 
@@ -451,7 +451,7 @@ def distill_algorithm(
     ``teacher_logp`` comes with the rollouts, from whichever teacher scored them: a vLLM
     teacher on the host (``sampling.vllm_teacher``, laid out at the label positions as the
     sampler's log-probs are), or a local JAX teacher's pass on the placed batch
-    (``algos.teacher.LocalTeacher.batch_logprobs``, its parameters passed as arguments: a
+    (``jaxrlvr.teachers.LocalTeacher.batch_logprobs``, its parameters passed as arguments: a
     ``prepare`` that closed over them would compile them into the program as constants).
     """
     cfg = cfg or DistillUpdateConfig()

@@ -15,7 +15,7 @@ Top-k: ``completion_topk`` returns the teacher's k most likely tokens at every c
 position (vLLM's prompt top-k), for the JSD over the teacher's top-k (``algos.distill``).
 
 Not here: routing problems to teachers and checking tokenizers (``jaxrlvr.teachers``), the local
-JAX teacher (``algos.teacher``).
+JAX teacher (``jaxrlvr.teachers.LocalTeacher``).
 """
 
 from __future__ import annotations

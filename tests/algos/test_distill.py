@@ -284,8 +284,8 @@ def test_distill_record_trains_the_student_towards_the_teacher():
     from flax import nnx
 
     from jaxrlvr import model as jmodel
+    from jaxrlvr import rollout
     from jaxrlvr.algos import engine, optim
-    from jaxrlvr.algos import teacher as teacher_lib
 
     cfg = jmodel.ModelConfig.tiny()
     graphdef, params = nnx.split(jmodel.init_model(cfg, seed=0), nnx.Param)
@@ -297,7 +297,7 @@ def test_distill_record_trains_the_student_towards_the_teacher():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, cfg.vocab_size, size=3).tolist() for _ in range(4)]
     completions = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (5, 2, 7, 4)]
-    rollouts = teacher_lib.completion_batch(prompts, completions, pad_to_multiple=8)
+    rollouts = rollout.to_batch(rollout.pack(prompts, completions, pad_id=0))
     teacher_logp = np.asarray(logprobs(teacher_params, rollouts))
     rollouts = rollouts.replace(teacher_logp=teacher_logp)
     mask = np.asarray(rollouts.loss_mask)

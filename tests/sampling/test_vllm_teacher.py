@@ -6,8 +6,7 @@ import pytest
 from flax import nnx
 
 from jaxrlvr import model as jmodel
-from jaxrlvr import teachers
-from jaxrlvr.algos import teacher as teacher_lib
+from jaxrlvr import rollout, teachers
 from jaxrlvr.sampling import vllm_teacher
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +19,7 @@ def test_vllm_teacher_logprobs_equal_the_local_teachers(vllm_server, tiny_export
     folder = tmp_path / "teacher"
     lm = nnx.merge(tiny_export["graphdef"], state["params"])
     jmodel.save_hf(lm, folder, tokenizer_src=tiny_export["tokenizer"])
-    local = teacher_lib.LocalTeacher.load(folder)
+    local = teachers.LocalTeacher.load(folder)
     rng = np.random.default_rng(0)
     n_tok = len(tiny_export["tokenizer"])  # ids the server's tokenizer accepts
     prompts = [rng.integers(1, n_tok, size=rng.integers(1, 12)).tolist() for _ in range(6)]
@@ -43,7 +42,7 @@ def test_vllm_teacher_logprobs_equal_the_local_teachers(vllm_server, tiny_export
 
         k = 4
         top = remote.completion_topk(prompts, completions, k)
-        ids, vals = local.topk(teacher_lib.completion_batch(prompts, completions), k)
+        ids, vals = local.topk(rollout.to_batch(rollout.pack(prompts, completions, pad_id=0)), k)
         ids, vals = np.asarray(ids), np.asarray(vals)
         for i, (p, c) in enumerate(zip(prompts, completions)):
             pos = np.arange(len(p) - 1, len(p) - 1 + len(c))
