@@ -64,7 +64,7 @@ _SYSVIPC = ("shm", "sem", "msg")
 _IPC_ID_UID = {"shm": (1, 7), "sem": (1, 4), "msg": (1, 7)}
 
 
-def plain_repr(value, type_=type, repr_=repr, depth=0):
+def plain_repr(value, type_=type, repr_=repr):
     """``repr(value)`` when value is built only from exact built-in plain types (no subclasses,
     so no user-defined ``__eq__``/``__repr__``), else None."""
     return repr_(value) if is_plain(value, type_) else None
