@@ -119,7 +119,7 @@ class LocalTeacher:
     Args:
       graphdef, params: the teacher's ``nnx.split(model, nnx.Param)``.
       name: how errors and metrics call it (default: the folder it was loaded from, or "teacher").
-      tokenizer: its tokenizer, or the folder to load one from (``jaxrlvr.teachers`` compares it
+      tokenizer: its tokenizer, or the folder to load one from (``check_teacher`` compares it
         with the student's); None: not checked.
       num_microbatches, chunk_size, mesh: as ``engine.make_logprob_fn`` (memory bounds of the
         pass; the mesh keeps microbatches spread over the batch shards).

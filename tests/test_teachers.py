@@ -71,6 +71,21 @@ def test_local_teacher_logprobs_and_topk_match_a_full_forward(folder):
     chunked = teachers.LocalTeacher.load(directory, chunk_size=4, num_microbatches=2)
     for g, w in zip(chunked.completion_logprobs(prompts, completions), got):
         np.testing.assert_allclose(g, w, atol=1e-6)
+    # Packed rows with shared prompts (groups of 2 completions per prompt): the same values.
+    # Tags passed as the sampler's log-probs mark where each completion token's label lands.
+    group_prompts = [prompts[i // 2] for i in range(4)]
+    grouped = completions[:4]
+    tags = [[1000.0 * i + j + 1 for j in range(len(c))] for i, c in enumerate(grouped)]
+    packed = rollout.pack(
+        group_prompts, grouped, pad_id=0, sampler_logps=tags, segments=True, share_prompts=2
+    )
+    assert packed.prompt_group_ids is not None and packed.input_ids.shape[0] < 4
+    packed_lp = np.asarray(teacher.batch_logprobs(rollout.to_batch(packed)))
+    padded = teacher.completion_logprobs(group_prompts, grouped)
+    for i, c in enumerate(grouped):
+        for j in range(len(c)):
+            (at,) = zip(*np.nonzero(packed.sampler_logp == 1000.0 * i + j + 1))
+            np.testing.assert_allclose(packed_lp[at], padded[i][j], atol=1e-5)
     # Top-k at the completion positions: the reference's k largest, most likely first.
     k = 5
     batch = rollout.to_batch(rollout.pack(prompts, completions, pad_id=0))
