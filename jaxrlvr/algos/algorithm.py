@@ -12,7 +12,8 @@ no per-method branches:
   ``rollouts`` is a ``Batch`` holding the fields of ``rollout_spec`` that the host computed
   (tokens and masks, advantages, rewards, correctness, the sampler's log-probs).
 - ``update(state, batch) -> (state, metrics)``: the whole optimisation of one step on one batch,
-  every epoch of it (``engine.repeat_epochs``): a driver calls it once per step.
+  every epoch of it (``with_epochs``): a driver calls it once per step. Every record's
+  ``init`` is ``make_init``'s.
 - ``rollout_spec`` / ``batch_spec``: the ``BatchSpec`` of what ``prepare`` reads and of what
   ``update`` reads.
 
@@ -37,7 +38,7 @@ import optax
 from flax import nnx
 
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import optim
+from jaxrlvr.algos import engine, optim
 from jaxrlvr.algos import state as state_lib
 from jaxrlvr.model import lora
 
@@ -85,6 +86,45 @@ def frozen_reference(params: nnx.State, needed: bool) -> nnx.State | None:
     the frozen base, which is then not held twice)."""
     # Fresh buffers: the state is donated every step, the reference must outlive that.
     return jax.tree.map(jnp.copy, lora.trainable(params)) if needed else None
+
+
+def make_init(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    *,
+    reference: bool = False,
+    critic: Callable[[nnx.State, jax.Array], object] | None = None,
+    value_tx: optax.GradientTransformation | None = None,
+) -> Callable[[nnx.State, jax.Array | int], state_lib.TrainState]:
+    """The one ``init`` of every record: the state at step 0 with the optimiser ``tx``, a frozen
+    copy of the policy as the reference when ``reference`` (``frozen_reference``), and a critic
+    ``critic(params, key)`` trained by ``value_tx`` (PPO; its key is the state's key folded with
+    1)."""
+
+    def init(params: nnx.State, rng: jax.Array | int = 0) -> state_lib.TrainState:
+        key = prng_key(rng)
+        value_params = None if critic is None else critic(params, jax.random.fold_in(key, 1))
+        return state_lib.TrainState.create(
+            graphdef,
+            params,
+            tx,
+            key,
+            value_params=value_params,
+            value_tx=value_tx,
+            ref_params=frozen_reference(params, reference),
+        )
+
+    return init
+
+
+def with_epochs(algorithm: Algorithm, epochs: int) -> Algorithm:
+    """``algorithm`` whose ``update`` trains each batch ``epochs`` times in one call
+    (``engine.repeat_epochs``), composed onto a record as optax composes transformations; 1:
+    the record itself."""
+    engine.check_epochs(epochs)
+    if epochs == 1:
+        return algorithm
+    return dataclasses.replace(algorithm, update=engine.repeat_epochs(algorithm.update, epochs))
 
 
 def select_fields(batch: batch_lib.Batch, spec: batch_lib.BatchSpec) -> batch_lib.Batch:

@@ -18,7 +18,6 @@ from flax import nnx
 
 from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import state as state_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +92,7 @@ def grpo_algorithm(
     logprob_microbatches: int | None = None,
 ) -> algorithm_lib.Algorithm:
     """GRPO and its variants (``make_grpo_update`` on per-sequence advantages), each batch
-    trained ``epochs_per_batch`` times per ``update`` call (``engine.repeat_epochs``).
+    trained ``epochs_per_batch`` times per ``update`` call (``algorithm.with_epochs``).
 
     ``init`` copies the policy as the frozen KL reference when ``loss.kl_coef > 0``.
     ``prepare`` computes ``ref_logp`` and, with ``epochs_per_batch`` > 1, ``old_logp`` (the
@@ -113,8 +112,8 @@ def grpo_algorithm(
     """
     cfg = cfg or GRPOUpdateConfig()
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    one_epoch = make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
+    engine.check_epochs(epochs_per_batch)
+    update = make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
     chunks = logprob_microbatches or cfg.num_microbatches
     logprob_fn = engine.make_logprob_fn(
         graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
@@ -125,19 +124,12 @@ def grpo_algorithm(
         cfg.loss, ("advantages",), (), cfg.num_microbatches
     )
 
-    def init(params, rng=0):
-        return state_lib.TrainState.create(
-            graphdef,
-            params,
-            tx,
-            algorithm_lib.prng_key(rng),
-            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
-        )
-
     def prepare(state, rollouts):
         batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
         return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
-    return algorithm_lib.Algorithm(
+    init = algorithm_lib.make_init(graphdef, tx, reference=needs_ref)
+    record = algorithm_lib.Algorithm(
         name="grpo", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
     )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)

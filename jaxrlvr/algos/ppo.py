@@ -21,7 +21,6 @@ from flax import nnx
 from jaxrlvr.algos import aggregation, engine, gae, kl, loss_config, policy_gradient, value
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 
@@ -227,7 +226,7 @@ def ppo_algorithm(
     epochs_per_batch: int = 1,
 ) -> algorithm_lib.Algorithm:
     """PPO with GAE (``make_ppo_update``), the critic built by ``init``, each batch trained
-    ``epochs_per_batch`` times per ``update`` call (``engine.repeat_epochs``).
+    ``epochs_per_batch`` times per ``update`` call (``algorithm.with_epochs``).
 
     ``cfg.trunk`` "shared"/"detached": a zero-initialised value head on the policy's hidden
     states; "separate": a critic model copied from the policy's weights at ``init`` (verl's
@@ -246,7 +245,7 @@ def ppo_algorithm(
         if params_shape is None:
             raise ValueError("ppo(trunk='separate'): pass params_shape (the policy's params)")
         value_graphdef = value.critic_graphdef(graphdef, params_shape)
-    one_epoch = make_ppo_update(
+    update = make_ppo_update(
         graphdef,
         tx,
         value_tx,
@@ -255,7 +254,6 @@ def ppo_algorithm(
         value_graphdef=value_graphdef,
         mesh=mesh,
     )
-    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
     chunks = logprob_microbatches or cfg.num_microbatches
     logprob_fn = engine.make_logprob_fn(
         graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
@@ -266,29 +264,20 @@ def ppo_algorithm(
         cfg.loss, ("rewards",), _update_fields(cfg), cfg.num_microbatches
     )
 
-    def init(params, rng=0):
-        key = algorithm_lib.prng_key(rng)
-        head_key = jax.random.fold_in(key, 1)
+    def critic(params, key):
         if value_graphdef is not None:
-            _, critic = value.init_value_model(graphdef, params, rng=head_key)
-        else:
-            hidden_size = nnx.merge(graphdef, params).config.hidden_size
-            critic = value.init_value_head(hidden_size, head_key)
-        return state_lib.TrainState.create(
-            graphdef,
-            params,
-            tx,
-            key,
-            value_params=critic,
-            value_tx=value_tx,
-            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
-        )
+            return value.init_value_model(graphdef, params, rng=key)[1]
+        return value.init_value_head(nnx.merge(graphdef, params).config.hidden_size, key)
 
     def prepare(state, rollouts):
         batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts)
         batch = batch.replace(old_values=value_fn(state.params, state.value_params, rollouts))
         return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
-    return algorithm_lib.Algorithm(
+    init = algorithm_lib.make_init(
+        graphdef, tx, reference=needs_ref, critic=critic, value_tx=value_tx
+    )
+    record = algorithm_lib.Algorithm(
         name="ppo", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
     )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)

@@ -37,7 +37,6 @@ from flax import nnx
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import engine, loss_config
-from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 Kind = Literal["dpo", "ipo", "simpo", "orpo"]
@@ -514,7 +513,7 @@ def preference_algorithm(
     """Offline preference optimisation: DPO, IPO, SimPO or ORPO (``cfg.loss.kind``, also the
     record's name) on stacked pair batches (module docstring: P chosen rows, then the P
     rejected rows in the same order; unpacked), each batch trained ``epochs_per_batch`` times per
-    ``update`` call (``engine.repeat_epochs``).
+    ``update`` call (``algorithm.with_epochs``).
 
     ``init`` copies the policy as the frozen reference for DPO and IPO (SimPO and ORPO are
     reference-free). ``prepare`` computes the reference's ``ref_logp`` for the batch, in
@@ -525,8 +524,8 @@ def preference_algorithm(
     """
     cfg = cfg or PreferenceUpdateConfig()
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    one_epoch = make_preference_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
+    engine.check_epochs(epochs_per_batch)
+    update = make_preference_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
     needs_ref = cfg.loss.needs_reference
     logprob_fn = engine.make_logprob_fn(
         graphdef,
@@ -535,27 +534,19 @@ def preference_algorithm(
         mesh=mesh,
     )
 
-    def init(params, rng=0):
-        return state_lib.TrainState.create(
-            graphdef,
-            params,
-            tx,
-            algorithm_lib.prng_key(rng),
-            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
-        )
-
     def prepare(state, rollouts):
         if needs_ref and rollouts.ref_logp is None:
             ref_logp = logprob_fn(state.reference_params(), rollouts)[0]
             rollouts = rollouts.replace(ref_logp=ref_logp)
         return algorithm_lib.select_fields(rollouts, update.batch_spec), {}
 
-    return algorithm_lib.Algorithm(
+    record = algorithm_lib.Algorithm(
         name=cfg.loss.kind,
-        init=init,
+        init=algorithm_lib.make_init(graphdef, tx, reference=needs_ref),
         prepare=prepare,
         update=update,
         rollout_spec=batch_lib.BatchSpec(
             optional=("ref_logp",) if needs_ref else (), num_microbatches=cfg.num_microbatches
         ),
     )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)

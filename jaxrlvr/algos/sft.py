@@ -22,7 +22,6 @@ from flax import nnx
 from jaxrlvr.algos import aggregation, engine, segments
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 
@@ -114,19 +113,21 @@ def sft_algorithm(
     ``prepare`` only drops fields the update does not read: the batch is the rollouts.
     """
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    one_epoch = make_sft_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
-
-    def init(params: nnx.State, rng: jax.Array | int = 0) -> state_lib.TrainState:
-        return state_lib.TrainState.create(graphdef, params, tx, algorithm_lib.prng_key(rng))
+    engine.check_epochs(epochs_per_batch)
+    update = make_sft_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
 
     def prepare(state, rollouts):
         del state
         return algorithm_lib.select_fields(rollouts, update.batch_spec), {}
 
-    return algorithm_lib.Algorithm(
-        name="sft", init=init, prepare=prepare, update=update, rollout_spec=update.batch_spec
+    record = algorithm_lib.Algorithm(
+        name="sft",
+        init=algorithm_lib.make_init(graphdef, tx),
+        prepare=prepare,
+        update=update,
+        rollout_spec=update.batch_spec,
     )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)
 
 
 def expert_iteration_algorithm(
