@@ -62,7 +62,6 @@ from flax import nnx
 
 from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient, policy_loss, segments
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import state as state_lib
 
 _f32 = jnp.float32
 Signal = Literal["reverse_kl", "jsd"]
@@ -456,8 +455,8 @@ def distill_algorithm(
     """
     cfg = cfg or DistillUpdateConfig()
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    one_epoch = make_distill_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    update = engine.repeat_epochs(one_epoch, epochs_per_batch)
+    engine.check_epochs(epochs_per_batch)
+    update = make_distill_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
     logprob_fn = engine.make_logprob_fn(
         graphdef,
         num_microbatches=logprob_microbatches or cfg.num_microbatches,
@@ -470,19 +469,12 @@ def distill_algorithm(
         cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
     )
 
-    def init(params, rng=0):
-        return state_lib.TrainState.create(
-            graphdef,
-            params,
-            tx,
-            algorithm_lib.prng_key(rng),
-            ref_params=algorithm_lib.frozen_reference(params, needs_ref),
-        )
-
     def prepare(state, rollouts):
         batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
         return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
-    return algorithm_lib.Algorithm(
+    init = algorithm_lib.make_init(graphdef, tx, reference=needs_ref)
+    record = algorithm_lib.Algorithm(
         name="distill", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
     )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)
