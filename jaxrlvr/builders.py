@@ -52,6 +52,7 @@ def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfi
         remat=m.remat,
         scan_layers=m.scan_layers,
         lora=m.lora,
+        router_aux_loss=m.router_aux_loss,
     )
     if m.path is not None:
         return model_lib.ModelConfig.from_json(os.path.join(m.path, "config.json"), **choices)
@@ -86,6 +87,7 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
             scan_layers=m.scan_layers,
             lora=m.lora,
             lora_seed=cfg.run.seed,
+            router_aux_loss=m.router_aux_loss,
         )
     return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
 
@@ -263,9 +265,9 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
             )
     plan = phases.plan(cfg)
     for cls in plan:
-        cls.check(cfg, processes=jax.process_count())
+        cls.check(cls.view(cfg), processes=jax.process_count())
     # The train phase's batch first: its message is the one a user of the run meets first.
-    for g in [cls.geometry(cfg) for cls in reversed(plan)]:
+    for g in [cls.geometry(cls.view(cfg)) for cls in reversed(plan)]:
         if g is None:
             continue
         n = g.microbatches
@@ -292,7 +294,7 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
             f"data.shards={n} does not split over the {blocks} process row blocks of this job"
         )
     for cls in reversed(phases.plan(cfg)):
-        g = cls.geometry(cfg)
+        g = cls.geometry(cls.view(cfg))
         if g is not None and g.per_shard is not None and g.per_shard[0] % n:
             count, key = g.per_shard
             raise configlib.ConfigKeyError(

@@ -72,6 +72,9 @@ class ModelSection:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    # MoE checkpoints: add router_aux_loss_coef x the load-balancing loss to every update
+    # (``model.ModelConfig.router_aux_loss``); off by default, as RL stacks run it.
+    router_aux_loss: bool = False
 
     def __post_init__(self):
         # Normalised once, at construction (the frozen instance is never changed afterwards).

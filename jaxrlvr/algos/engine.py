@@ -55,7 +55,7 @@ from flax import nnx
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import policy_loss
 from jaxrlvr.algos import state as state_lib
-from jaxrlvr.model import grad_sink, lora, sharding
+from jaxrlvr.model import grad_sink, lora, moe, sharding
 from jaxrlvr.model import logprobs as logprobs_lib
 
 _f32 = jnp.float32
@@ -255,12 +255,22 @@ def accumulate_gradients(
 
     ``loss_fn(diff_params, microbatch) -> (loss share, metrics)`` must already divide by the
     full-batch denominator; metrics combine by ``policy_loss.accumulate_metrics`` (sum, or
-    max/min for ``_max``/``_min`` keys). The loss runs inside a ``grad_sink.sink``: leaves the
-    model claims come back from ``jax.grad`` already added to the accumulator, the rest are
-    added here.
+    max/min for ``_max``/``_min`` keys). A MoE model's router terms join each microbatch's
+    loss and metrics (``model.moe.add_router_terms``: ``router/*`` metrics, the optional
+    load-balancing loss); a dense model's loss is untouched. The loss runs inside a
+    ``grad_sink.sink``: leaves the model claims come back from ``jax.grad`` already added to
+    the accumulator, the rest are added here.
     """
     first = jax.tree.map(lambda x: x[0], microbatches)
-    metrics_shape = jax.eval_shape(lambda p, mb: loss_fn(p, mb)[1], diff_params, first)
+    num_microbatches = jax.tree.leaves(microbatches)[0].shape[0]
+
+    def routed_loss(p, mb):
+        # A MoE policy's router signals: the optional aux loss and the router metrics.
+        with moe.collect_routers() as routers:
+            out = loss_fn(p, mb)
+        return moe.add_router_terms(out, routers, num_microbatches)
+
+    metrics_shape = jax.eval_shape(lambda p, mb: routed_loss(p, mb)[1], diff_params, first)
 
     def body(carry, mb):
         g_acc, m_acc = carry
@@ -269,7 +279,7 @@ def accumulate_gradients(
         def sunk_loss(p, mb):
             # The scanned layers and the chunked head add into g_acc in place (grad_sink).
             with grad_sink.sink(p, g_acc) as c:
-                out = loss_fn(p, mb)
+                out = routed_loss(p, mb)
             claimed.update(c)
             return out
 

@@ -89,8 +89,11 @@ class ModelConfig:
     q/k/v/o when ``attention_bias``) or "qwen3_moe" (Qwen3's attention and, in every layer, the
     routed expert block of ``num_experts`` experts of width ``moe_intermediate_size``, each token
     sent to ``num_experts_per_tok`` of them; ``norm_topk_prob`` renormalises the chosen gate
-    weights to sum to 1; ``router_aux_loss_coef`` is the checkpoint's load-balancing coefficient,
-    used only where a method turns the auxiliary loss on).
+    weights to sum to 1; ``router_aux_loss_coef`` is the checkpoint's load-balancing coefficient;
+    ``router_aux_loss`` (jaxrlvr's switch, not in config.json; off by default, as RL stacks run
+    it) adds ``router_aux_loss_coef`` x transformers' load-balancing loss to every update's loss,
+    ``model.moe.add_router_terms``). ``moe_impl``: the MoE block's grouped-matmul kernel
+    (``model.moe``; "auto" picks by backend).
 
     ``remat``: recompute each decoder layer's activations in the backward pass instead of
     keeping them. ``scan_layers``: run the stacked decoder layers with ``lax.scan`` (one layer
@@ -128,6 +131,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.001
+    router_aux_loss: bool = False
     moe_impl: MoEImpl = "auto"
     dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -179,6 +183,8 @@ class ModelConfig:
                     f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                     f"num_experts={self.num_experts}"
                 )
+        elif self.router_aux_loss:
+            raise ConfigError("model.router_aux_loss: needs a MoE model (model_type qwen3_moe)")
         elif self.num_experts:
             raise ConfigError(
                 f"model.num_experts={self.num_experts}: experts need model_type='qwen3_moe'"

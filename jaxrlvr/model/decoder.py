@@ -718,7 +718,7 @@ class CausalLM(nnx.Module):
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
         # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack;
         # its custom scan carries no per-layer inputs or outputs (routes, router statistics).
-        router_io = cfg.is_moe and (with_router or routes is not None)
+        router_io = cfg.is_moe and (with_router or routes is not None or moe.collecting())
         fused = cache is None and cfg.scan_layers and cfg.remat and not router_io
         grad_acc = grad_sink.claim(stacked) if fused else None
         # LoRA dropout: only inside an update's ``lora.dropout_rng`` block (training forward).
@@ -744,13 +744,13 @@ class CausalLM(nnx.Module):
         )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
-        if not with_router:
-            return x, new_cache
-        if router is None:
-            return x, new_cache, None
-        ids, counts, prob_sum = router
-        num_tokens = jnp.float32(b * t) if valid_bt is None else jnp.sum(valid_bt)
-        return x, new_cache, moe.RouterOutput(ids, counts, prob_sum, num_tokens)
+        if router is not None:
+            ids, counts, prob_sum = router
+            num_tokens = jnp.float32(b * t) if valid_bt is None else jnp.sum(valid_bt)
+            router = moe.RouterOutput(ids, counts, prob_sum, num_tokens)
+            if cache is None:
+                moe.report(cfg, router)  # to an update's ``moe.collect_routers``, if open
+        return (x, new_cache, router) if with_router else (x, new_cache)
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection's stored (master) array: the tied embedding [V, D], or the

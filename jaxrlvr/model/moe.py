@@ -42,11 +42,20 @@ expert and the masked sum of router probabilities per expert; from them
 ``load_balancing_loss`` (transformers' ``load_balancing_loss_func``, Switch Transformer eqs.
 4-6 with Mixtral's top-k counts) and ``router_metrics``.
 
+Router signals in updates (``collect_routers``): the update engine collects the router outputs of
+every MoE forward inside a microbatch's loss and adds the optional auxiliary loss
+(``ModelConfig.router_aux_loss``, off by default as RL stacks run it: slime, verl) and the router
+metrics every step (``add_router_terms``).
+
 Left out: a shared expert (Qwen2-MoE), capacity factors and token dropping, LoRA on experts or
 the router (both stay frozen under LoRA; adapters go on attention and dense MLPs).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +223,65 @@ def router_metrics(router: RouterOutput) -> dict[str, jax.Array]:
         jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)), 0.0), -1
     )
     return {"load_max_over_mean": jnp.max(share, axis=-1) * e, "load_entropy": entropy}
+
+
+# ----------------------------------------------------------------------------------------------
+# Router signals for the update's loss and metrics.
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def collect_routers() -> Iterator[list]:
+    """Collect the ``(config, RouterOutput)`` of every MoE forward traced inside the block.
+
+    ``algos.engine.accumulate_gradients`` opens it around each microbatch's loss, so the
+    methods' losses need not know about routers: a MoE model's ``backbone`` reports to it
+    (``report``), and ``add_router_terms`` adds the auxiliary loss and the router metrics.
+    Dense models report nothing, and the loss is then left exactly as it was."""
+    outer = getattr(_state, "sink", None)
+    sink: list = []
+    _state.sink = sink
+    try:
+        yield sink
+    finally:
+        _state.sink = outer
+
+
+def collecting() -> bool:
+    """Whether a ``collect_routers`` block is open (the backbone then computes router outputs)."""
+    return getattr(_state, "sink", None) is not None
+
+
+def report(cfg, router: RouterOutput) -> None:
+    sink = getattr(_state, "sink", None)
+    if sink is not None:
+        sink.append((cfg, router))
+
+
+def add_router_terms(out, routers: list, num_microbatches: int):
+    """``(loss, metrics)`` of one microbatch plus the routers' terms, or ``out`` unchanged when
+    no MoE forward ran.
+
+    Loss: + ``router_aux_loss_coef * load_balancing_loss / num_microbatches`` for every
+    collected forward whose config has ``router_aux_loss`` on (a per-microbatch loss, as
+    transformers computes it per forward; the microbatches' shares sum to their mean).
+    Metrics (summed over microbatches, hence divided by their number; of the first collected
+    forward, the policy's): ``router/aux_loss`` (reported whether or not it is trained),
+    ``router/load_max_over_mean`` and ``router/load_entropy`` (means over layers) and the same
+    per layer, ``router/layer{i}/...``."""
+    if not routers:
+        return out
+    loss, metrics = out
+    metrics = dict(metrics)
+    scale = 1.0 / num_microbatches
+    for cfg, router in routers:
+        if cfg.router_aux_loss:
+            loss = loss + cfg.router_aux_loss_coef * load_balancing_loss(router) * scale
+    _, router = routers[0]
+    metrics["router/aux_loss"] = load_balancing_loss(router) * scale
+    for key, per_layer in router_metrics(router).items():
+        metrics[f"router/{key}"] = jnp.mean(per_layer) * scale
+        for i in range(per_layer.shape[0]):
+            metrics[f"router/layer{i}/{key}"] = per_layer[i] * scale
+    return loss, metrics

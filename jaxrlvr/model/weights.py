@@ -402,6 +402,7 @@ def load_hf(
     scan_layers: bool = True,
     lora: LoRAConfig | None = None,
     lora_seed: int = 0,
+    router_aux_loss: bool = False,
 ) -> CausalLM:
     """Loads a Hugging Face Qwen2 checkpoint directory into a ``CausalLM``.
 
@@ -412,6 +413,8 @@ def load_hf(
       param_dtype: storage dtype of the parameters (the same choices).
       mesh: a ('data', 'fsdp', 'tensor') mesh; parameters are placed with their rule-derived
         shardings, each device receiving only its shard. None: the default device.
+      router_aux_loss: MoE only, add the load-balancing loss to updates
+        (``ModelConfig.router_aux_loss``).
       lora: add fresh low-rank adapters (``model.lora``; A random from ``lora_seed``, B zero, so
         the model computes the checkpoint's function); ``model.peft.load_adapter`` loads saved
         ones.
@@ -436,6 +439,7 @@ def load_hf(
             remat=remat,
             scan_layers=scan_layers,
             lora=lora,
+            router_aux_loss=router_aux_loss,
         )
     except ConfigError as e:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None

@@ -143,10 +143,11 @@ def test_kv_cache_decode_equals_full_forward(lm):
     np.testing.assert_allclose(logits[real], full[real], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_unrolled_and_remat_equal_scan(ckpt, lm, remat):
+def test_unrolled_remat_equals_scan(ckpt, lm):
+    """Unrolled, rematerialised layers: the scanned model's loss and gradients (router and aux
+    loss included)."""
     ids = jnp.asarray(helpers.random_ids(B, T, seed=5))
-    other = M.load_hf(ckpt.path, scan_layers=False, remat=remat)
+    other = M.load_hf(ckpt.path, scan_layers=False, remat=True)
 
     def grads(model):
         graphdef, params = nnx.split(model, nnx.Param)
@@ -277,3 +278,41 @@ def test_bfloat16_runs_close_to_float32(ckpt, lm):
     ids = helpers.random_ids(B, T, seed=12)
     err = np.abs(helpers.forward(bf16, ids) - helpers.forward(lm, ids))
     assert np.isfinite(err).all() and err.mean() < 0.05, err.mean()
+
+
+def test_update_engine_adds_router_terms(ckpt, lm):
+    """``engine.accumulate_gradients`` over 2 microbatches of a MoE policy: ``router/*``
+    metrics every step (the aux loss is the mean of the microbatches' transformers values);
+    with ``router_aux_loss`` the loss gains coef x aux: the routers' gradients change, the last
+    layer's experts (which feed no router) keep theirs."""
+    from jaxrlvr.algos import engine
+
+    ids = jnp.asarray(helpers.random_ids(4, 8, seed=13))
+    mbs = engine.split_microbatches(ids, 2)
+
+    def run(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss_fn(p, mb):
+            hidden, _ = nnx.merge(graphdef, p).backbone(mb)
+            return jnp.mean(hidden**2) / 2, {"loss": jnp.mean(hidden**2) / 2}
+
+        return jax.jit(lambda p, m: engine.accumulate_gradients(loss_fn, p, m))(params, mbs)
+
+    g_off, m_off = run(lm)
+    g_on, m_on = run(M.load_hf(ckpt.path, router_aux_loss=True))
+    expected = np.mean([float(moe.load_balancing_loss(backbone(lm, mb)[1])) for mb in mbs])
+    np.testing.assert_allclose(float(m_off["router/aux_loss"]), expected, rtol=1e-5)
+    assert {"router/load_max_over_mean", "router/layer1/load_entropy"} <= set(m_off)
+    for key in m_off:
+        np.testing.assert_allclose(m_on[key], m_off[key], rtol=1e-6)
+    layers_off, layers_on = g_off["model"]["layers"], g_on["model"]["layers"]
+    diff = np.abs(
+        layers_on["mlp"]["gate"]["kernel"][...] - layers_off["mlp"]["gate"]["kernel"][...]
+    )
+    assert diff.max() > 1e-6
+    last_on = layers_on["mlp"]["experts"]["down_proj"][...][-1]
+    last_off = layers_off["mlp"]["experts"]["down_proj"][...][-1]
+    np.testing.assert_allclose(last_on, last_off, rtol=1e-6, atol=1e-9)
+    with pytest.raises(M.ConfigError, match="router_aux_loss"):
+        M.ModelConfig.tiny(router_aux_loss=True)
