@@ -265,22 +265,38 @@ def _how_it_ended(pid: int, deadline: float, cpu_limit_s: int, status: str) -> s
     the child's CPU seconds tell), and ``"program_error"`` when another signal did (a crash). A
     child that closed the pipe but runs on is waited for until ``deadline``: then
     ``"timeout"``."""
-    while True:
-        try:
-            done, wait_status, usage = os.wait4(pid, os.WNOHANG)
-        except ChildProcessError:
-            return status
-        if done:
-            if not os.WIFSIGNALED(wait_status):
+    # The pipe closes while the child is still exiting: wait on a pidfd for the exit itself
+    # (a fixed 2 ms sleep here cost about 2 ms a program); poll where there is none.
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while True:
+            try:
+                done, wait_status, usage = os.wait4(pid, os.WNOHANG)
+            except ChildProcessError:
                 return status
-            cpu = usage.ru_utime + usage.ru_stime
-            signum = os.WTERMSIG(wait_status)
-            if signum == signal.SIGXCPU or (signum == signal.SIGKILL and cpu >= cpu_limit_s - 0.05):
+            if done:
+                if not os.WIFSIGNALED(wait_status):
+                    return status
+                cpu = usage.ru_utime + usage.ru_stime
+                signum = os.WTERMSIG(wait_status)
+                if signum == signal.SIGXCPU or (
+                    signum == signal.SIGKILL and cpu >= cpu_limit_s - 0.05
+                ):
+                    return "timeout"
+                return "program_error"
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return "timeout"
-            return "program_error"
-        if time.monotonic() >= deadline:
-            return "timeout"
-        time.sleep(0.002)
+            if pidfd is not None:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(left, 0.0005))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _others(own_pid: int) -> list[int]:
