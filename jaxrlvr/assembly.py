@@ -48,14 +48,14 @@ def assemble(
     (a run directory; None: the config's initial model) on the whole host, with the held-out
     or the training split only."""
     train = mode == "train"
-    devices = builders.device_split(cfg)[0] if train else None
+    devices = builders.device_split(cfg.sampler)[0] if train else None
     mesh = model_lib.make_mesh(cfg.mesh, devices)
     if train:
         builders.check_microbatches_fit_mesh(cfg, mesh)
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     if train:
         model = None
-        positions = builders.model_config(cfg, tokenizer).max_position_embeddings
+        positions = builders.model_config(cfg.model, tokenizer).max_position_embeddings
     else:
         purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
         model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
@@ -68,9 +68,9 @@ def assemble(
         "data.train": train_problems if sampled else [],
         "data.eval": eval_problems[: cfg.eval.max_problems],
     }
-    builders.check_lengths(cfg, tokenizer, positions, checked)
+    builders.check_lengths(cfg.data.template, cfg.sampler, tokenizer, positions, checked)
     if model is None:
-        model = builders.build_model(cfg, tokenizer, mesh)
+        model = builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
     graphdef, params = nnx.split(model, nnx.Param)
     if train:  # multi-process: this process keeps only the training rows of its data shards
         num_shards, owned = builders.data_shards(cfg, mesh)
@@ -80,9 +80,10 @@ def assemble(
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
     grader = base.Grader(*builders.build_grader(cfg))
     try:
-        sampler = builders.build_sampler(cfg, model, tokenizer, mesh, cfg.run.out_dir)
-        for wrap in dict.fromkeys(c.sampler_wrapper for c in plan if c.sampler_wrapper):
-            sampler = wrap(cfg, sampler, tokenizer)
+        sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
+        wrappers = {c.sampler_wrapper: c for c in plan if c.sampler_wrapper}
+        for wrap, cls in wrappers.items():
+            sampler = wrap(cls.view(cfg), sampler, tokenizer)
     except BaseException:
         with contextlib.suppress(Exception):
             grader.close()

@@ -31,8 +31,9 @@ from jaxrlvr.data import tokenizer as tokenizer_lib
 from jaxrlvr.rewards import code, grading, sandbox, verifiers
 
 
-def build_tokenizer(cfg: config_lib.TrainConfig):
-    source = cfg.model.tokenizer or cfg.model.path
+def build_tokenizer(model: config_lib.ModelSection):
+    """The tokenizer of ``model.tokenizer`` (default: the checkpoint's), with a pad token."""
+    source = model.tokenizer or model.path
     if source == "char":
         return tokenizer_lib.build_char_tokenizer()
     import transformers
@@ -43,9 +44,8 @@ def build_tokenizer(cfg: config_lib.TrainConfig):
     return tok
 
 
-def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfig:
+def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig:
     """The policy's architecture: the checkpoint's config.json, or the random model's shape."""
-    m = cfg.model
     choices = dict(
         dtype=m.dtype,
         param_dtype=m.param_dtype,
@@ -74,9 +74,11 @@ def model_config(cfg: config_lib.TrainConfig, tokenizer) -> model_lib.ModelConfi
     )
 
 
-def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2ForCausalLM:
-    """The policy with its weights: loaded from ``model.path`` or randomly initialised."""
-    m = cfg.model
+def build_model(
+    m: config_lib.ModelSection, tokenizer, mesh, *, seed: int
+) -> model_lib.Qwen2ForCausalLM:
+    """The policy with its weights: loaded from ``model.path`` or randomly initialised (``seed``:
+    ``run.seed``, also the LoRA adapters')."""
     if m.path is not None:
         return model_lib.load_hf(
             m.path,
@@ -86,10 +88,10 @@ def build_model(cfg: config_lib.TrainConfig, tokenizer, mesh) -> model_lib.Qwen2
             remat=m.remat,
             scan_layers=m.scan_layers,
             lora=m.lora,
-            lora_seed=cfg.run.seed,
+            lora_seed=seed,
             router_aux_loss=m.router_aux_loss,
         )
-    return model_lib.init_model(model_config(cfg, tokenizer), seed=cfg.run.seed, mesh=mesh)
+    return model_lib.init_model(model_config(m, tokenizer), seed=seed, mesh=mesh)
 
 
 def abstract_model(model_cfg: model_lib.ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.State]:
@@ -142,20 +144,19 @@ def load_splits(
     return train_problems, held_out
 
 
-def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: str):
+def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir: str):
     """The run's sampler: the engine of ``sampler.kind``, started on ``model``'s weights (the
     run's phases may wrap it: ``assembly.assemble``)."""
     eos = tuple(i for i in {tokenizer.eos_token_id} if i is not None)
-    if cfg.sampler.kind == "jax":
+    if s.kind == "jax":
         from jaxrlvr.sampling import jax_sampler
 
-        own = device_split(cfg)[1]
+        own = device_split(s)[1]
         if own is not None:  # a sub-mesh of its own; update_weights copies the weights over
             mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1), own)
         return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
-    s = cfg.sampler
     plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
     if s.vllm_urls:
         shared = vllm_sampler.VLLMSampler(
@@ -222,11 +223,10 @@ def build_sampler(cfg: config_lib.TrainConfig, model, tokenizer, mesh, run_dir: 
     return sampler
 
 
-def device_split(cfg: config_lib.TrainConfig) -> tuple[list | None, list | None]:
+def device_split(s: config_lib.SamplerSection) -> tuple[list | None, list | None]:
     """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
     (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
     both use every device."""
-    s = cfg.sampler
     if s.kind != "jax" or s.jax_devices == 0:
         return None, None
     devices = jax.devices()
@@ -253,19 +253,9 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     """
     shards = step_lib.batch_shard_count(mesh)
     where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
-    rl = cfg.rl
-    budget = rl.max_tokens_per_microbatch
-    if budget is not None and rl.algo != "none" and rl.steps > 0:
-        least = shards * (rl.max_tokens_per_row or 1)
-        if budget < least:
-            raise configlib.ConfigKeyError(
-                f"rl.max_tokens_per_microbatch={budget} is less than one row of "
-                f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
-                f"x {shards} batch shards ({where}) = {least}"
-            )
     plan = phases.plan(cfg)
     for cls in plan:
-        cls.check(cls.view(cfg), processes=jax.process_count())
+        cls.check(cls.view(cfg), processes=jax.process_count(), shards=shards, where=where)
     # The train phase's batch first: its message is the one a user of the run meets first.
     for g in [cls.geometry(cls.view(cfg)) for cls in reversed(plan)]:
         if g is None:
@@ -304,7 +294,8 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
 
 
 def check_lengths(
-    cfg: config_lib.TrainConfig,
+    template: str,
+    s: config_lib.SamplerSection,
     tokenizer,
     max_positions: int,
     splits: dict[str, list[loading.Problem]],
@@ -312,8 +303,8 @@ def check_lengths(
     """One-line config error, before any compute, unless the longest rendered prompt of each
     split (``{"data.train": ..., "data.eval": ...}``) plus the tokens the sampler may add fits the
     model's positions and, for vLLM, ``sampler.vllm_max_model_len`` (past them the JAX sampler
-    would have no position left and vLLM would refuse the request mid-run)."""
-    s = cfg.sampler
+    would have no position left and vLLM would refuse the request mid-run); ``template``:
+    ``data.template``."""
     budgets = {"data.train": ("sampler.max_tokens", s.max_tokens)}
     budgets["data.eval"] = (
         ("sampler.eval_max_tokens", s.eval_max_tokens)
@@ -329,7 +320,7 @@ def check_lengths(
         lengths = [
             len(ids)
             for ids in prompts.encode_many(
-                tokenizer, [prompts.render(cfg.data.template, p, tokenizer) for p in problems]
+                tokenizer, [prompts.render(template, p, tokenizer) for p in problems]
             )
         ]
         i = max(range(len(lengths)), key=lengths.__getitem__)

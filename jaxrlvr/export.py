@@ -47,7 +47,7 @@ def restore_policy(
                 lora=m.lora,
             )
         else:
-            model_cfg = builders.model_config(cfg, tokenizer)
+            model_cfg = builders.model_config(cfg.model, tokenizer)
         graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
         algo = methods.make_algorithm(cfg, extra["record"], graphdef, params_shape, mesh)
         target.graphdef = graphdef
@@ -69,7 +69,7 @@ def load_policy(
     """The config's initial model (``run_dir`` None), or the policy of a run's newest checkpoint
     (``restore_policy``), logged as ``"{purpose} checkpoint step N of RUN_DIR"``."""
     if run_dir is None:
-        return builders.build_model(cfg, tokenizer, mesh)
+        return builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
     step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
     log(f"{purpose} checkpoint step {step} of {run_dir}")
     return model
@@ -90,7 +90,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) ->
     with open(os.path.join(run_dir, "config.yaml")) as f:
         cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     step, model = restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
     model_lib.save_hf(model, out_dir, tokenizer_src=tokenizer)  # merged when it has adapters
     record = {"run_dir": os.path.abspath(run_dir), "step": step}

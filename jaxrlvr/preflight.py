@@ -215,7 +215,7 @@ def check_rows(cfg: config_lib.TrainConfig, rows: dict[str, int]) -> None:
     from jaxrlvr import phases  # the phases import the model: only when a run is checked
 
     for cls in phases.plan(cfg):
-        for f in cls.data_files(cfg):
+        for f in cls.data_files(cls.view(cfg)):
             check_batch_rows(rows.get(f.key, 0), f.batch, f.key, f.batch_key)
 
 
@@ -390,10 +390,9 @@ def check_bind_address(host: str) -> None:
         ) from None
 
 
-def check_sampler(cfg: config_lib.TrainConfig) -> None:
+def check_sampler(s: config_lib.SamplerSection) -> None:
     """What the chosen sampler needs: for vLLM, the servers' interpreter with vllm (servers this
     run starts) and an address to listen on, or the given servers answering."""
-    s = cfg.sampler
     if s.kind != "vllm":
         return
     if s.vllm_urls:
@@ -542,14 +541,14 @@ def check(
         from jaxrlvr import phases
 
         for cls in phases.plan(cfg):
-            for f in cls.data_files(cfg):
+            for f in cls.data_files(cls.view(cfg)):
                 if f.key not in rows and f.key != "data.train":
                     rows[f.key] = check_data_file(f.path, f.key, d.on_bad_row)
     if mode == "train":
         check_rows(cfg, rows)
 
     if mode in ("train", "eval"):
-        check_sampler(cfg)
+        check_sampler(cfg.sampler)
 
     if mode == "train" and overwrite and existing_run(cfg.run.out_dir):
         moved = move_run_aside(cfg.run.out_dir)

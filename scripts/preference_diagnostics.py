@@ -27,7 +27,7 @@ from jaxrlvr.algos import engine
 def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     cfg = config_lib.load_config("configs/demo.yaml", [f"model.path={warm}"])
     mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1))
-    tok = builders.build_tokenizer(cfg)
+    tok = builders.build_tokenizer(cfg.model)
     heldout = builders.load_splits(cfg)[1][:100]
     pairs = [json.loads(line) for line in open(pairs_path)]
 
@@ -61,7 +61,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
             k += 1
         return np.asarray([x[:k].sum(), x[k : k + 1].sum(), x[k + 1 :].sum()])
 
-    w_acc, wc, wr = measure(builders.build_model(cfg, tok, mesh))
+    w_acc, wc, wr = measure(builders.build_model(cfg.model, tok, mesh, seed=cfg.run.seed))
     mean = lambda xs: np.mean([x.sum() for x in xs])  # noqa: E731
     print(f"warm start: exact accuracy {w_acc:.4f}; chosen {mean(wc):.3f}, rejected {mean(wr):.3f}")
     for run in runs:

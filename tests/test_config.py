@@ -105,5 +105,7 @@ def test_model_layer_loop_choice_reaches_the_model(override, scan):
 
     cfg = config_lib.load_config("configs/demo.yaml", [override] if override else [])
     assert cfg.model.scan_layers is scan
-    lm = builders.build_model(cfg, builders.build_tokenizer(cfg), mesh=None)
+    lm = builders.build_model(
+        cfg.model, builders.build_tokenizer(cfg.model), mesh=None, seed=cfg.run.seed
+    )
     assert lm.config.scan_layers is scan

@@ -14,8 +14,8 @@ its metrics. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``); each server i
 
 import os
 
+import multihost_runs as mh
 import pytest
-import test_multihost as mh
 
 VLLM_TINY = [
     # head_dim 32: the smallest the CPU attention backend of vLLM supports
@@ -65,9 +65,9 @@ def shared_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("shared_vllm")
     cfg = config_lib.load_config(str(mh.REPO / "configs/demo.yaml"), VLLM_TINY)
-    tok = builders.build_tokenizer(cfg)
+    tok = builders.build_tokenizer(cfg.model)
     mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    model = builders.build_model(cfg, tok, mesh)
+    model = builders.build_model(cfg.model, tok, mesh, seed=cfg.run.seed)
     weight_export.export_weights(model.config, nnx.state(model, nnx.Param), root / "model")
     tok.save_pretrained(root / "model")
     server = vllm_server.VLLMServer(

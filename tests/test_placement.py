@@ -282,9 +282,9 @@ def test_build_sampler_starts_one_server_per_group_and_exports_bf16(monkeypatch,
                         "vllm_python": "/v/python", "vllm_extra_args": ["--seed", "1"]},
         },
     )  # fmt: skip
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     model = model_lib.init_model(model_lib.ModelConfig.tiny(vocab_size=tokenizer.vocab_size))
-    assert builders.build_sampler(cfg, model, tokenizer, None, str(tmp_path)) == "sampler"
+    assert builders.build_sampler(cfg.sampler, model, tokenizer, None, str(tmp_path)) == "sampler"
     a, b = made["servers"]
     assert started == [a, b] and made["export_dtype"] == "bfloat16"
     assert made["export_dir"] == a.model_dir == b.model_dir

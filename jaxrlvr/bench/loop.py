@@ -227,13 +227,13 @@ def update_gflop(config: str, sets: list[str]) -> dict[str, float]:
     from jaxrlvr import prompts as prompt_lib
 
     cfg = config_lib.load_config(config, list(sets))
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     problems, _ = builders.load_splits(cfg)
     prompt = statistics.fmean(
         len(prompt_lib.encode(tokenizer, prompt_lib.render(cfg.data.template, p, tokenizer)))
         for p in problems
     )
-    model_cfg = builders.model_config(cfg, tokenizer)
+    model_cfg = builders.model_config(cfg.model, tokenizer)
     return {
         "rollouts": cfg.rl.prompts_per_step * cfg.rl.group_size,
         "prompt_tokens": prompt,
@@ -261,11 +261,13 @@ def init_weights(config: str, sets: list[str], out: str) -> str:
     from jaxrlvr import model as model_lib
 
     cfg = config_lib.load_config(config, list(sets))
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     import jax
 
     # One device: the values do not depend on the mesh (a test process may show 8 CPU devices).
-    model = builders.build_model(cfg, tokenizer, model_lib.make_mesh(None, jax.devices()[:1]))
+    model = builders.build_model(
+        cfg.model, tokenizer, model_lib.make_mesh(None, jax.devices()[:1]), seed=cfg.run.seed
+    )
     path = os.path.join(out, "init_hf")
     model_lib.save_hf(model, path, tokenizer_src=tokenizer)
     return path

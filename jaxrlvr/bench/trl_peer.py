@@ -198,7 +198,7 @@ def main(argv=None) -> int:
 
     cfg = config_lib.load_config(args.config, list(args.set))
     rl, s, o = cfg.rl, cfg.sampler, cfg.optim
-    tokenizer = builders.build_tokenizer(cfg)
+    tokenizer = builders.build_tokenizer(cfg.model)
     problems, _ = builders.load_splits(cfg)
     data = datasets.Dataset.from_list(
         [

@@ -39,7 +39,7 @@ def plan(cfg: config_lib.TrainConfig) -> list[type[base.Phase]]:
     ``rl.algo``)."""
     chosen: dict[str, type[base.Phase]] = {}
     for slot, cls in PLAN:
-        if slot not in chosen and cls.wanted(cfg):
+        if slot not in chosen and cls.wanted(cls.view(cfg)):
             chosen[slot] = cls
     return list(chosen.values())
 

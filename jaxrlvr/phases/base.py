@@ -211,35 +211,43 @@ class Phase:
     # Whether the phase samples completions of the training prompts (their lengths are checked
     # against the model's positions before the run starts).
     samples_train_prompts: ClassVar[bool] = False
-    # ``wrap(cfg, sampler, tokenizer)``: the run's sampler as this phase needs it (the tool-use
+    # ``wrap(view, sampler, tokenizer)``: the run's sampler as this phase needs it (the tool-use
     # phases': multi-turn); the assembly applies each distinct wrapper of the run's phases once.
-    sampler_wrapper: ClassVar[Callable[[config_lib.TrainConfig, Any, Any], Any] | None] = None
+    sampler_wrapper: ClassVar[Callable[[Sections, Any, Any], Any] | None] = None
 
     def __init__(self, ctx: RunContext, cfg: config_lib.TrainConfig):
         self.ctx = ctx
-        self.cfg = Sections(cfg, self.sections, self.name)
+        self.cfg = self.view(cfg)
         self.position = 0  # steps done
         self.state = None
         self.compiled: step_lib.CompiledAlgorithm | None = None
 
     # -- what the run asks the phase before it is built -------------------------------------------
+    # Each of these gets the phase's ``view`` of the config: its own sections only.
     @classmethod
-    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+    def view(cls, cfg: config_lib.TrainConfig) -> Sections:
+        """``cfg`` as the phase may read it: its ``sections`` only."""
+        return Sections(cfg, cls.sections, cls.name)
+
+    @classmethod
+    def wanted(cls, cfg: Sections) -> bool:
         """Whether a run of ``cfg`` has this phase (``phases.plan`` asks each phase of the plan)."""
         raise NotImplementedError
 
     @classmethod
-    def geometry(cls, cfg: config_lib.TrainConfig) -> BatchGeometry | None:
+    def geometry(cls, cfg: Sections) -> BatchGeometry | None:
         """The phase's batch per step (None: no steps), checked against the mesh and the data
         shards before anything is built."""
         return None
 
     @classmethod
-    def check(cls, cfg: config_lib.TrainConfig, *, processes: int) -> None:
-        """One-line config error when the phase cannot run ``cfg`` in a job of ``processes``."""
+    def check(cls, cfg: Sections, *, processes: int, shards: int, where: str) -> None:
+        """One-line config error when the phase cannot run ``cfg`` in a job of ``processes`` on a
+        mesh whose batch axes make ``shards`` batch shards (``where``: those axes, for the
+        message)."""
 
     @classmethod
-    def data_files(cls, cfg: config_lib.TrainConfig) -> list[DataFile]:
+    def data_files(cls, cfg: Sections) -> list[DataFile]:
         """The data files the phase reads, checked (exist, parse, fill a batch) by preflight."""
         return []
 

@@ -16,7 +16,6 @@ import time
 import jax
 import numpy as np
 
-from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, preflight, rollout
 from jaxrlvr import prompts as prompt_lib
 from jaxrlvr.algos import preference
@@ -33,7 +32,7 @@ class PreferencePhase(base.RLStepsPhase):
     sections = ("rl", "pref", "optim", "data", "run", "eval")
 
     @classmethod
-    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+    def wanted(cls, cfg: base.Sections) -> bool:
         return cfg.rl.preference
 
     @classmethod
@@ -50,7 +49,7 @@ class PreferencePhase(base.RLStepsPhase):
         )
 
     @classmethod
-    def check(cls, cfg, *, processes):
+    def check(cls, cfg, *, processes, shards, where):
         if processes > 1:
             raise configlib.ConfigKeyError(
                 f"rl.algo={cfg.rl.algo}: the offline preference phase runs in one process only"

@@ -35,11 +35,11 @@ class RLPhase(base.RLStepsPhase):
     algorithm_phase = "rl"
     reward_metric = "reward_mean"
     samples_train_prompts = True
-    sections = ("rl", "sampler", "optim", "run", "eval")
+    sections = ("rl", "sampler", "optim", "data", "run", "eval")
     source_cls: ClassVar[type[sources.RolloutSource]] = sources.RolloutSource
 
     @classmethod
-    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+    def wanted(cls, cfg: base.Sections) -> bool:
         return cfg.rl.online
 
     @classmethod
@@ -57,8 +57,19 @@ class RLPhase(base.RLStepsPhase):
         )
 
     @classmethod
-    def check(cls, cfg, *, processes):
-        k = cfg.rl.max_staleness
+    def check(cls, cfg, *, processes, shards, where):
+        rl = cfg.rl
+        budget = rl.max_tokens_per_microbatch
+        # A token budget holds at least one row of rl.max_tokens_per_row per batch shard (longer
+        # rows are refused at the step that packs them, ``rollout.budget_rows``).
+        least = shards * (rl.max_tokens_per_row or 1)
+        if budget is not None and rl.steps > 0 and budget < least:
+            raise configlib.ConfigKeyError(
+                f"rl.max_tokens_per_microbatch={budget} is less than one row of "
+                f"rl.max_tokens_per_row={rl.max_tokens_per_row or 1} positions per batch shard "
+                f"x {shards} batch shards ({where}) = {least}"
+            )
+        k = rl.max_staleness
         if processes > 1 and k > 0:
             # The background sampler's collectives would interleave with the update's.
             raise configlib.ConfigKeyError(

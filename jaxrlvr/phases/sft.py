@@ -16,7 +16,6 @@ import time
 
 import jax
 
-from jaxrlvr import config as config_lib
 from jaxrlvr import prompts as prompt_lib
 from jaxrlvr import rollout
 from jaxrlvr.algos import step as step_lib
@@ -27,10 +26,10 @@ from jaxrlvr.phases import base
 class SFTPhase(base.Phase):
     name = "sft"
     algorithm_phase = "sft"
-    sections = ("sft", "data", "run")
+    sections = ("sft", "rl", "data", "run")
 
     @classmethod
-    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+    def wanted(cls, cfg: base.Sections) -> bool:
         """A warm start when ``sft.steps`` > 0, and the whole of an SFT-only run (``rl.algo:
         none``)."""
         return cfg.sft.steps > 0 or cfg.rl.algo == "none"

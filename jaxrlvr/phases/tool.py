@@ -15,15 +15,15 @@ tool-use traces.
 
 from __future__ import annotations
 
-from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, prompts
 from jaxrlvr.envs import base as envs_base
-from jaxrlvr.phases import rl, sft, sources
+from jaxrlvr.phases import base, rl, sft, sources
 
 
-def multi_turn_sampler(cfg: config_lib.TrainConfig, sampler, tokenizer):
+def multi_turn_sampler(cfg: base.Sections, sampler, tokenizer):
     """``sampler`` wrapped into an ``envs.MultiTurnSampler`` with ``env.tools`` and its limits
-    (the python tool runs in ``reward.sandbox`` with ``reward.code``'s limits)."""
+    (the python tool runs in ``reward.sandbox`` with ``reward.code``'s limits); ``cfg``: a tool
+    phase's view (``env``, ``reward``, ``sampler``)."""
     from jaxrlvr import envs
 
     e = cfg.env
@@ -53,6 +53,8 @@ class ToolSFTPhase(sft.SFTPhase):
     (``envs.split_trace``) are tokenized on their own, as a rollout appends them, and weigh 0,
     so SFT trains on what the model writes only. Its evaluation samples multi-turn rollouts."""
 
+    sections = (*sft.SFTPhase.sections, "env", "reward", "sampler")
+
     @classmethod
     def wanted(cls, cfg):
         return sft.SFTPhase.wanted(cfg) and bool(cfg.env.tools)
@@ -74,15 +76,16 @@ class ToolSFTPhase(sft.SFTPhase):
 
 class ToolPhase(rl.RLPhase):
     name = "tool"
+    sections = (*rl.RLPhase.sections, "env", "reward")
     source_cls = sources.MultiTurnSource
 
     @classmethod
-    def wanted(cls, cfg: config_lib.TrainConfig) -> bool:
+    def wanted(cls, cfg: base.Sections) -> bool:
         return cfg.rl.online and bool(cfg.env.tools)
 
     @classmethod
-    def check(cls, cfg, *, processes):
-        super().check(cfg, processes=processes)
+    def check(cls, cfg, *, processes, shards, where):
+        super().check(cfg, processes=processes, shards=shards, where=where)
         if processes > 1 and cfg.sampler.kind == "jax":
             # Each turn of the JAX sampler is one program over every process's rows: processes
             # whose rollouts need different numbers of turns would wait for each other forever.

@@ -107,9 +107,9 @@ def test_init_weights_are_the_runs_random_init(tmp_path):
 
     path = loop.init_weights("configs/demo.yaml", [], str(tmp_path))
     cfg = config_lib.load_config("configs/demo.yaml", [])
-    tok = builders.build_tokenizer(cfg)
+    tok = builders.build_tokenizer(cfg.model)
     mesh = model_lib.make_mesh(None, jax.devices()[:1])
-    ours = nnx.state(builders.build_model(cfg, tok, mesh), nnx.Param)
+    ours = nnx.state(builders.build_model(cfg.model, tok, mesh, seed=cfg.run.seed), nnx.Param)
     loaded = nnx.state(model_lib.load_hf(path, mesh=mesh), nnx.Param)
     a, b = jax.tree.leaves(ours), jax.tree.leaves(loaded)
     assert len(a) == len(b) > 0
