@@ -72,10 +72,10 @@ def test_rl_configs_start_from_the_exported_warm_start():
 
 @pytest.mark.slow
 def test_scratchpad_task_trains_end_to_end(tmp_path):
-    from tests.test_train import TINY, _jaxrlvr
+    from runs import TINY, jaxrlvr
 
     run_dir = tmp_path / "run"
-    _jaxrlvr(
+    jaxrlvr(
         "train",
         str(EXPERIMENTS / "scratchpad_base.yaml"),
         f"run.out_dir={run_dir}",

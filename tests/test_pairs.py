@@ -41,11 +41,11 @@ def test_preference_algos_in_the_config():
 
 @pytest.mark.slow
 def test_sft_pairs_dpo_end_to_end(tmp_path):
-    from test_train import TINY, _jaxrlvr
+    from runs import TINY, jaxrlvr
 
     sft_dir, dpo_dir, data = tmp_path / "sft", tmp_path / "dpo", tmp_path / "pairs.jsonl"
-    _jaxrlvr("sft", "configs/demo.yaml", f"run.out_dir={sft_dir}", "sft.steps=4", *TINY)
-    proc = _jaxrlvr(
+    jaxrlvr("sft", "configs/demo.yaml", f"run.out_dir={sft_dir}", "sft.steps=4", *TINY)
+    proc = jaxrlvr(
         "pairs",
         "configs/demo.yaml",
         *TINY,
@@ -61,7 +61,7 @@ def test_sft_pairs_dpo_end_to_end(tmp_path):
     assert "wrote" in proc.stdout
     rows = [json.loads(x) for x in data.read_text().splitlines()]
     assert rows and all({"prompt", "chosen", "rejected", "id"} <= set(r) for r in rows)
-    _jaxrlvr(
+    jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={dpo_dir}",
@@ -103,7 +103,7 @@ def test_cached_reference_gives_the_same_updates_with_one_reference_pass(tmp_pat
     pass, in batches of pref.batch_size through the record's prepare) and the steps' prepare
     runs no reference forward; the three updates equal those with a reference pass per batch."""
     import jax
-    from test_train import TINY
+    from runs import TINY
 
     from jaxrlvr import train
 

@@ -7,14 +7,14 @@ import pathlib
 
 import jax
 import pytest
-import test_train
+import runs
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import interrupt, phases, train
 from jaxrlvr.phases import base, preference, rl, sft, tool
 
-# test_train's tiny run, on the 8 fake devices of tests/conftest.py.
-TINY = [*test_train.TINY, "mesh.data=8"]
+# The tiny run of tests/runs.py, on the 8 fake devices of tests/conftest.py.
+TINY = [*runs.TINY, "mesh.data=8"]
 
 
 def _cfg(*overrides):
@@ -31,7 +31,10 @@ def _cfg(*overrides):
         (["sft.steps=3", "rl.algo=none"], [sft.SFTPhase]),
         (["sft.steps=0", "rl.algo=none"], [sft.SFTPhase]),  # an SFT-only run of 0 steps
         # Tool use: its own phases (warm start on written traces, RL on multi-turn rollouts).
-        (["sft.steps=3", "rl.algo=grpo", "env.tools=[python]"], [tool.ToolSFTPhase, tool.ToolPhase]),
+        (
+            ["sft.steps=3", "rl.algo=grpo", "env.tools=[python]"],
+            [tool.ToolSFTPhase, tool.ToolPhase],
+        ),
         (["sft.steps=0", "rl.algo=ppo", "env.tools=[python]"], [tool.ToolPhase]),
     ],
 )

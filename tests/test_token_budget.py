@@ -8,7 +8,8 @@ import os
 import jax
 import numpy as np
 import pytest
-from test_train import TINY, _jaxrlvr
+import runs
+from runs import TINY
 
 from jaxrlvr import builders, configlib, rollout, train
 from jaxrlvr import config as config_lib
@@ -140,8 +141,8 @@ BUDGET_RUN = [
 def test_a_budgeted_run_equals_one_microbatch(tmp_path, share_prompts, budget):
     ref_dir, run_dir = tmp_path / "one", tmp_path / "budget"
     run = [*BUDGET_RUN, f"rl.share_prompts={str(share_prompts).lower()}"]
-    _jaxrlvr("train", *run, f"run.out_dir={ref_dir}", "rl.microbatches=1")
-    _jaxrlvr("train", *run, f"run.out_dir={run_dir}", f"rl.max_tokens_per_microbatch={budget}")
+    runs.jaxrlvr("train", *run, f"run.out_dir={ref_dir}", "rl.microbatches=1")
+    runs.jaxrlvr("train", *run, f"run.out_dir={run_dir}", f"rl.max_tokens_per_microbatch={budget}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in lines if "policy_loss" in x]
     assert len(rl) == 3

@@ -3,10 +3,11 @@ then GRPO with asynchronous rollouts or PPO on multi-turn rollouts that run the 
 sandbox; metrics, checkpoints and an exact resume on multi-turn rows."""
 
 import json
+import signal
 
 import numpy as np
 import pytest
-import test_train
+import runs
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +42,18 @@ def _metrics(run_dir):
 
 
 def test_grpo_with_async_tool_rollouts_trains_checkpoints_and_resumes(tmp_path):
-    run = tmp_path / "run"
-    common = ["train", "configs/tool_demo.yaml", f"run.out_dir={run}", *TOOL_TINY]
-    test_train._jaxrlvr(*common, "rl.steps=2", "rl.max_staleness=1")
-    test_train._jaxrlvr(*common, "rl.steps=4", "rl.max_staleness=1", "--resume")
+    """Stopped by SIGTERM during GRPO with asynchronous multi-turn rollouts, then resumed: the
+    same final parameters as a run never stopped (the batch in flight, trajectories included,
+    comes back from the checkpoint)."""
+    ref, run = tmp_path / "uninterrupted", tmp_path / "run"
+    common = ["train", "configs/tool_demo.yaml", *TOOL_TINY, "rl.steps=4", "rl.max_staleness=1"]
+    runs.jaxrlvr(*common, f"run.out_dir={ref}")
+    proc = runs.start_until_lines([*common, f"run.out_dir={run}"], run, 151)  # 150 SFT + 1 RL
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "SIGTERM: saved checkpoint step" in err
+    runs.jaxrlvr(*common, f"run.out_dir={run}", "--resume")
+    runs.assert_same_params(runs.final_params(ref), runs.final_params(run))
     rows = _metrics(run)
     rl_rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rl_rows] == [151, 152, 153, 154]  # after 150 SFT steps, none twice
@@ -60,14 +69,13 @@ def test_grpo_with_async_tool_rollouts_trains_checkpoints_and_resumes(tmp_path):
             assert r["tool/env_tokens_mean"] > 0
     assert max(r["tool/calls_per_rollout"] for r in rl_rows) > 0
     assert any("eval/accuracy" in r for r in rows)
-    # The resumed run continued from the checkpoint of step 152 (SFT 150 + RL 2).
     steps = [r["step"] for r in rows]
     assert len(steps) == len(set(steps))
 
 
 def test_ppo_trains_on_multi_turn_rollouts(tmp_path):
     run = tmp_path / "run"
-    test_train._jaxrlvr(
+    runs.jaxrlvr(
         "train",
         "configs/tool_demo.yaml",
         f"run.out_dir={run}",

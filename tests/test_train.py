@@ -1,72 +1,18 @@
 """The training loop end to end on a tiny model: outputs, exact resume after SIGKILL, bad input."""
 
 import json
-import os
-import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-
-REPO = pathlib.Path(__file__).parent.parent
-
-# A tiny run: 1-layer model, a handful of SFT and RL steps, small eval.
-TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
-    "data.synthetic_train_size=200",
-    "data.synthetic_eval_size=16",
-    "sft.batch_size=16",
-    "rl.prompts_per_step=4",
-    "rl.group_size=4",
-    "eval.max_problems=16",
-    "reward.num_workers=1",
-    "run.progress=false",
-    "run.tensorboard=false",
-]
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, like a user's laptop
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def _jaxrlvr(*args, timeout=900, check=True):
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def _final_params(run_dir):
-    """The newest checkpoint's step and policy params as {path: numpy array}."""
-    import jax
-
-    from jaxrlvr import checkpoint as checkpoint_lib
-
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
-    step = ckpt.latest_step()
-    params = ckpt.read_arrays(step)["state"]["params"]
-    ckpt.close()
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return step, {jax.tree_util.keystr(k): v for k, v in flat}
+import runs
 
 
 @pytest.mark.slow
 def test_demo_pipeline_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _jaxrlvr(
+    proc = runs.jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -74,7 +20,7 @@ def test_demo_pipeline_end_to_end(tmp_path):
         "rl.steps=3",
         "eval.every=2",
         "checkpoint.every=2",
-        *TINY,
+        *runs.TINY,
     )
     assert "held-out accuracy after SFT warm start" in proc.stdout
     assert "held-out accuracy after GRPO" in proc.stdout
@@ -112,29 +58,34 @@ def test_demo_pipeline_end_to_end(tmp_path):
 
     # export -> a folder transformers loads
     out = tmp_path / "hf"
-    _jaxrlvr("export", str(run_dir), str(out))
+    runs.jaxrlvr("export", str(run_dir), str(out))
     import torch
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    step, params = _final_params(run_dir)
+    step, params = runs.final_params(run_dir)
     emb = params["['model']['embed_tokens']['embedding']['value']"]
     np.testing.assert_array_equal(hf.model.embed_tokens.weight.detach().numpy(), emb)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|endoftext|>"
     # An older checkpoint exports too, and exporting leaves the run's metrics untouched.
-    _jaxrlvr("export", str(run_dir), str(tmp_path / "hf6"), "--step", "6")
+    runs.jaxrlvr("export", str(run_dir), str(tmp_path / "hf6"), "--step", "6")
     assert json.loads((tmp_path / "hf6" / "jaxrlvr_export.json").read_text())["step"] == 6
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 7
 
     # eval on the run's checkpoint
-    proc = _jaxrlvr(
-        "eval", "configs/demo.yaml", f"run.out_dir={run_dir}", *TINY, "--checkpoint", str(run_dir)
+    proc = runs.jaxrlvr(
+        "eval",
+        "configs/demo.yaml",
+        f"run.out_dir={run_dir}",
+        *runs.TINY,
+        "--checkpoint",
+        str(run_dir),
     )
     assert "eval/accuracy" in proc.stdout
 
     # plot two runs overlaid
-    proc = _jaxrlvr("plot", str(run_dir), str(run_dir), "--out", str(tmp_path / "plots"))
+    proc = runs.jaxrlvr("plot", str(run_dir), str(run_dir), "--out", str(tmp_path / "plots"))
     assert (tmp_path / "plots" / "reward_mean.png").exists()
 
 
@@ -146,7 +97,7 @@ def test_demo_pipeline_end_to_end(tmp_path):
 )
 def test_other_algorithms_run(tmp_path, algo, extra):
     run_dir = tmp_path / algo
-    _jaxrlvr(
+    runs.jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -155,7 +106,7 @@ def test_other_algorithms_run(tmp_path, algo, extra):
         f"rl.algo={algo}",
         "eval.every=2",
         "checkpoint.every=2",
-        *TINY,
+        *runs.TINY,
         *extra,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -169,7 +120,7 @@ def test_field_options_run_and_report(tmp_path):
     """Difficulty filtering, curriculum sampling, zero-variance dropping, the Kimi length reward
     from step 1 and the DAPO overlong penalty, all in one short run."""
     run_dir = tmp_path / "options"
-    _jaxrlvr(
+    runs.jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -184,7 +135,7 @@ def test_field_options_run_and_report(tmp_path):
         "rl.overlong_cache_len=4",
         "eval.every=3",
         "checkpoint.every=3",
-        *TINY,
+        *runs.TINY,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in lines if "reward_mean" in x]
@@ -202,7 +153,7 @@ RESUME_ARGS = [
     "rl.steps=6",
     "eval.every=3",
     "checkpoint.every=2",
-    *TINY,
+    *runs.TINY,
 ]
 
 
@@ -210,34 +161,22 @@ RESUME_ARGS = [
 def uninterrupted(tmp_path_factory):
     """The reference run the interrupted ones must match (run once for the module)."""
     ref_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={ref_dir}")
-    return _final_params(ref_dir)
+    runs.jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={ref_dir}")
+    return runs.final_params(ref_dir)
 
 
 def _start_and_wait_for_rl(run_dir, min_lines=7):
     """Starts a training run and returns once it has logged ``min_lines`` metrics lines (7 = SFT
     4 + RL 3 steps, past the step-6 checkpoint; 5 = the first RL step)."""
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *RESUME_ARGS, f"run.out_dir={run_dir}"]
-    proc = subprocess.Popen(
-        cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    return runs.start_until_lines(
+        ["train", *RESUME_ARGS, f"run.out_dir={run_dir}"], run_dir, min_lines
     )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= min_lines:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
-    return proc
 
 
 def _assert_resumed_like(uninterrupted, run_dir):
-    step_a, a = uninterrupted
-    step_b, b = _final_params(run_dir)
-    assert step_a == step_b == 10
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    resumed = runs.final_params(run_dir)
+    assert resumed[0] == 10
+    runs.assert_same_params(uninterrupted, resumed)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 11))  # no duplicated or missing steps
 
@@ -248,7 +187,7 @@ def test_sigkill_and_resume_gives_identical_params(tmp_path, uninterrupted):
     proc = _start_and_wait_for_rl(run_dir)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
+    runs.jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
     _assert_resumed_like(uninterrupted, run_dir)
 
 
@@ -268,15 +207,15 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path, uninterrupte
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert time.time() - t0 < 120
-    saved_step, _ = _final_params(run_dir)
+    saved_step, _ = runs.final_params(run_dir)
     assert saved_step >= lines_at_signal  # the step in flight is not lost
     assert f"SIGTERM: saved checkpoint step {saved_step} and stopped" in err
     assert not (run_dir / "summary.json").exists()  # the run is not reported as finished
-    _jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
+    runs.jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", "--resume")
     _assert_resumed_like(uninterrupted, run_dir)
 
 
-SFT_ONLY = ["configs/demo.yaml", "rl.algo=none", "eval.max_problems=4", *TINY]
+SFT_ONLY = ["configs/demo.yaml", "rl.algo=none", "eval.max_problems=4", *runs.TINY]
 
 
 @pytest.mark.slow
@@ -284,12 +223,12 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
     """The newest checkpoint's array data is truncated: --resume says which step it skips and
     why, continues from the older one, and the metrics hold each step once."""
     run_dir = tmp_path / "run"
-    _jaxrlvr("train", *SFT_ONLY, "sft.steps=4", "checkpoint.every=2", f"run.out_dir={run_dir}")
+    runs.jaxrlvr("train", *SFT_ONLY, "sft.steps=4", "checkpoint.every=2", f"run.out_dir={run_dir}")
     newest = run_dir / "checkpoints" / "4" / "state"
     data = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[:16])
     data_bytes = data.read_bytes()
-    proc = _jaxrlvr(
+    proc = runs.jaxrlvr(
         "train",
         *SFT_ONLY,
         "sft.steps=6",
@@ -314,7 +253,7 @@ def test_existing_run_dir_is_refused_before_any_compute(tmp_path):
     run_dir.mkdir()
     old = '{"step": 1, "loss": 1.0}\n'
     (run_dir / "metrics.jsonl").write_text(old)
-    proc = _jaxrlvr("train", *SFT_ONLY, f"run.out_dir={run_dir}", check=False, timeout=300)
+    proc = runs.jaxrlvr("train", *SFT_ONLY, f"run.out_dir={run_dir}", check=False, timeout=300)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert err == [
@@ -331,7 +270,7 @@ def test_overwrite_moves_the_old_run_aside_and_starts_clean(tmp_path):
     run_dir.mkdir()
     old = '{"step": 1, "loss": 1.0}\n{"step": 44, "loss": 0.5}\n'
     (run_dir / "metrics.jsonl").write_text(old)
-    proc = _jaxrlvr("train", *SFT_ONLY, "sft.steps=2", f"run.out_dir={run_dir}", "--overwrite")
+    proc = runs.jaxrlvr("train", *SFT_ONLY, "sft.steps=2", f"run.out_dir={run_dir}", "--overwrite")
     assert "--overwrite: moved the previous run" in proc.stderr
     (previous,) = run_dir.glob("previous-*")
     assert (previous / "metrics.jsonl").read_text() == old
@@ -340,7 +279,7 @@ def test_overwrite_moves_the_old_run_aside_and_starts_clean(tmp_path):
 
 
 def test_config_refuses_a_public_dev_mode_vllm_bind(tmp_path):
-    proc = _jaxrlvr(
+    proc = runs.jaxrlvr(
         "train",
         *SFT_ONLY,
         f"run.out_dir={tmp_path}/run",
@@ -356,19 +295,19 @@ def test_config_refuses_a_public_dev_mode_vllm_bind(tmp_path):
 
 
 def test_bad_config_is_a_one_line_error(tmp_path):
-    proc = _jaxrlvr("train", "configs/demo.yaml", "rl.group_sise=3", check=False, timeout=300)
+    proc = runs.jaxrlvr("train", "configs/demo.yaml", "rl.group_sise=3", check=False, timeout=300)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'rl.group_sise'" in err[0]
 
 
 def test_missing_data_file_is_a_one_line_error(tmp_path):
-    proc = _jaxrlvr(
+    proc = runs.jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={tmp_path}",
         f"data.train={tmp_path}/nope.jsonl",
-        *TINY,
+        *runs.TINY,
         check=False,
         timeout=600,
     )

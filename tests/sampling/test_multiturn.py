@@ -8,8 +8,6 @@
 - The JAX sampler and a real vLLM server give identical greedy trajectories (token ids and masks).
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from flax import nnx
@@ -129,17 +127,15 @@ def test_trajectories_survive_a_checkpoint_of_rollouts_in_flight(jax_setup):
     out = _multi_turn(sampler, export["tokenizer"]).generate(PROMPTS[:1], 2, params)
     ro = async_rollouts.Rollouts(3, [], [PROMPTS[0]], out, {"tool/turns_mean": 2.0})
     # The multi-turn rollout source restores its batches as trajectories.
-    back = async_rollouts.Rollouts.from_json(
-        json.loads(json.dumps(ro.to_json())), envs.Trajectory
-    )
+    back = async_rollouts.Rollouts.from_json(json.loads(json.dumps(ro.to_json())), envs.Trajectory)
     assert back.completions == out and all(isinstance(c, envs.Trajectory) for c in back.completions)
     plain = base.Completion(
         prompt_index=0, token_ids=[1], logprobs=[-0.5], text="a", finish_reason="stop"
     )
     single = async_rollouts.Rollouts(3, [], [PROMPTS[0]], [plain], {})
-    assert async_rollouts.Rollouts.from_json(json.loads(json.dumps(single.to_json()))).completions == [
-        plain
-    ]
+    assert async_rollouts.Rollouts.from_json(
+        json.loads(json.dumps(single.to_json()))
+    ).completions == [plain]
 
 
 def test_limits_end_rollouts_with_their_reason(jax_setup):

@@ -1,0 +1,86 @@
+"""Helpers of the tests that run ``jaxrlvr`` end to end in a subprocess: the tiny run's
+overrides, the CLI call, and the newest checkpoint's parameters. Not a test module: test modules
+import this one, never each other."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).parent.parent
+
+# A tiny run: 1-layer model, a handful of SFT and RL steps, small eval.
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+    "data.synthetic_train_size=200",
+    "data.synthetic_eval_size=16",
+    "sft.batch_size=16",
+    "rl.prompts_per_step=4",
+    "rl.group_size=4",
+    "eval.max_problems=16",
+    "reward.num_workers=1",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, like a user's laptop
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def jaxrlvr(*args, timeout=900, check=True):
+    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def final_params(run_dir):
+    """The newest checkpoint's step and policy params as {path: numpy array}."""
+    import jax
+
+    from jaxrlvr import checkpoint as checkpoint_lib
+
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
+    step = ckpt.latest_step()
+    params = ckpt.read_arrays(step)["state"]["params"]
+    ckpt.close()
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return step, {jax.tree_util.keystr(k): v for k, v in flat}
+
+
+def start_until_lines(args, run_dir, min_lines, timeout=900):
+    """Starts ``jaxrlvr *args`` in a subprocess and returns it once its ``run_dir`` has logged
+    ``min_lines`` metrics lines (a poll with a deadline); the run must still be going."""
+    import time
+
+    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
+    proc = subprocess.Popen(
+        cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = pathlib.Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= min_lines:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    return proc
+
+
+def assert_same_params(a, b):
+    """Two ``final_params`` results: the same step and bit-identical arrays."""
+    import numpy as np
+
+    (step_a, pa), (step_b, pb) = a, b
+    assert step_a == step_b and pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
