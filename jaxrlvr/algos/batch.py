@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from flax import struct
 
-# Fields every update needs, and the optional ones, with their rank ("bt" = [B, T], "b" = [B]).
+# Fields every update needs, and the optional ones, with their rank ("bt" = [B, T], "b" = [B],
+# "btk" = [B, T, K] with any K).
 BASE_FIELDS = ("input_ids", "attention_mask", "labels", "loss_mask")
 _LAYOUT = {
     "input_ids": "bt",
@@ -40,6 +41,8 @@ _LAYOUT = {
     "sampler_logp": "bt",
     "behaviour_logp": "bt",
     "teacher_logp": "bt",
+    "teacher_topk_ids": "btk",
+    "teacher_topk_logp": "btk",
     "rewards": "b",
     "old_values": "bt",
     "correct": "b",
@@ -50,7 +53,14 @@ _LAYOUT = {
 # Packed rows: optional for every update; segment ids and positions both or neither, prompt
 # group ids (shared prompts) only with them.
 PACKING_FIELDS = ("segment_ids", "positions", "prompt_group_ids")
-_INT_FIELDS = ("input_ids", "labels", "segment_ids", "positions", "prompt_group_ids")
+_INT_FIELDS = (
+    "input_ids",
+    "labels",
+    "segment_ids",
+    "positions",
+    "prompt_group_ids",
+    "teacher_topk_ids",
+)
 _MASK_FIELDS = ("attention_mask", "loss_mask")
 
 
@@ -72,6 +82,9 @@ class Batch:
     sampled the rollouts (stale batches; ``algos.importance``), optional;
     teacher_logp: float32 [B, T] a distillation teacher's log-probs of the labels
     (``algos.distill``, ``jaxrlvr.teachers``), optional;
+    teacher_topk_ids: int32 [B, T, K] and teacher_topk_logp: float32 [B, T, K], the teacher's K
+    most likely next tokens at each position and their log-probs (the JSD over the teacher's
+    top-k), optional;
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).
@@ -90,6 +103,8 @@ class Batch:
     sampler_logp: jax.Array | None = None
     behaviour_logp: jax.Array | None = None
     teacher_logp: jax.Array | None = None
+    teacher_topk_ids: jax.Array | None = None
+    teacher_topk_logp: jax.Array | None = None
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
     correct: jax.Array | None = None
@@ -170,6 +185,8 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
         shape = tuple(getattr(x, "shape", ()))
         if _LAYOUT[name] == "b" and not packed and shape == (b, t):
             want = shape  # per-sequence values given per token
+        if _LAYOUT[name] == "btk":  # any K
+            want = (b, t, shape[2] if len(shape) == 3 else "K")
         if shape != want:
             raise BatchError(
                 f"batch.{name} must have shape {want} (B, T from input_ids), got {shape}"

@@ -43,15 +43,17 @@ Both reduce with ``aggregation.aggregate`` over the FULL batch's denominator and
 packing (segment ids). Every function is pure over arrays, opens with chex contracts and runs
 the same with or without jit.
 
-The record (``distill_algorithm``, ``DistillUpdateConfig``) trains the reverse-KL signal: GRPO's
-update skeleton with ``teacher_logp`` as a rollout field; the JSD has its loss here but no update
-yet (it needs the student's logits per position inside the chunked head).
+The record (``distill_algorithm``, ``DistillUpdateConfig``) trains either signal with GRPO's
+update skeleton: the reverse KL with ``teacher_logp`` as a rollout field, the JSD over the
+teacher's top-k with ``teacher_topk_ids`` / ``teacher_topk_logp`` (the student's logits per
+position in chunks, ``topk_jsd_from_hidden``).
 
 Not here: the teachers' forward passes (``jaxrlvr.teachers``, ``sampling.vllm_teacher``) and the
 choice of a teacher per problem (``jaxrlvr.teachers``).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -62,6 +64,7 @@ from flax import nnx
 
 from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient, policy_loss, segments
 from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import batch as batch_lib
 
 _f32 = jnp.float32
 Signal = Literal["reverse_kl", "jsd"]
@@ -352,14 +355,21 @@ def jsd_loss(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillUpdateConfig:
-    """On-policy distillation update: ``reverse_kl_policy_loss`` with every option of
-    ``PolicyLossConfig`` (aggregation, clipping, KL to a reference, entropy, off-policy
-    correction) and ``DistillConfig``'s coefficients. ``num_microbatches`` and
-    ``logprob_chunk_size`` as ``grpo.GRPOUpdateConfig``.
+    """On-policy distillation update. ``distill.signal``:
 
-    Only ``distill.signal == "reverse_kl"`` trains here: the JSD needs the student's logits at
-    every position inside the chunked head and the teacher's top-k as batch fields, which no
-    update computes yet (``generalized_jsd_topk`` is the loss it will use).
+    - "reverse_kl": ``reverse_kl_policy_loss`` with every option of ``PolicyLossConfig``
+      (aggregation, clipping, KL to a reference, entropy, off-policy correction) and
+      ``DistillConfig``'s coefficients; the rollouts carry ``teacher_logp`` (and
+      ``advantages`` when ``reward_coef`` > 0).
+    - "jsd": ``jsd_loss`` of ``generalized_jsd_topk`` (``beta``, ``temperature``) over the
+      teacher's top ``distill.top_k`` tokens, which the rollouts carry as
+      ``teacher_topk_ids`` / ``teacher_topk_logp`` [B, T, K]; only ``loss.aggregation`` (and
+      ``norm_constant``) of ``PolicyLossConfig`` applies, so a reference KL, an entropy bonus,
+      an off-policy correction and the reward mix are refused (the full-vocabulary JSD would
+      need the teacher's [B, T, V] logits in the batch: refused too).
+
+    ``num_microbatches`` and ``logprob_chunk_size`` as ``grpo.GRPOUpdateConfig`` (the chunk size
+    also bounds the JSD's [B, chunk, V] student logits).
     """
 
     loss: loss_config.PolicyLossConfig = dataclasses.field(
@@ -372,17 +382,85 @@ class DistillUpdateConfig:
     def __post_init__(self) -> None:
         engine.check_microbatches(self.num_microbatches)
         engine.check_chunk_size(self.logprob_chunk_size)
-        if self.distill.signal != "reverse_kl":
+        if self.distill.signal != "jsd":
+            return
+        if self.distill.top_k is None:
             raise ValueError(
-                f"distill.signal={self.distill.signal!r} has no update yet (the JSD needs the "
-                "teacher's top-k as batch fields); use 'reverse_kl'"
+                "distill.signal='jsd' trains over the teacher's top-k: set distill.top_k (the "
+                "full-vocabulary JSD would need the teacher's [B, T, V] logits in the batch)"
             )
+        loss = self.loss
+        unused = {
+            "distill.reward_coef": self.distill.reward_coef != 0,
+            "loss.kl_coef": loss.kl_coef != 0,
+            "loss.entropy_coef": loss.entropy_coef != 0,
+            "loss.correction": loss.correction.mode != "none",
+        }
+        for key, set_ in unused.items():
+            if set_:
+                raise ValueError(f"{key} does not apply to distill.signal='jsd'; leave it unset")
 
     @property
     def rollout_fields(self) -> tuple[str, ...]:
         """What the host (or a teacher pass before ``prepare``) supplies for every rollout."""
+        if self.distill.signal == "jsd":
+            return ("teacher_topk_ids", "teacher_topk_logp")
         mixed = ("advantages",) if self.distill.reward_coef > 0 else ()
         return ("teacher_logp", *mixed)
+
+
+def topk_jsd_from_hidden(
+    lm: Any,
+    hidden_btd: jax.Array,
+    teacher_topk_ids: jax.Array,
+    teacher_topk_logp: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """Per-position ``generalized_jsd_topk`` of the student's logits (``lm.lm_logits`` of its
+    final hidden states) against the teacher's top-k, float32 [B, T], 0 outside ``mask_bt``.
+
+    With ``chunk_size`` the positions run in chunks, each under ``jax.checkpoint`` in a
+    ``lax.map``, so one chunk's [B, chunk, V] logits exist at a time (forward and backward);
+    chunks masked out in every row skip the head. The same per-position arithmetic, so values
+    and gradients equal the unchunked ones up to summation order. (``model.logprobs`` chunks
+    the log-prob head the same way; this loop computes a different per-chunk quantity.)
+
+    Args:
+      lm: the student (``model.CausalLM``); hidden_btd: [B, T, D] its final hidden states.
+      teacher_topk_ids: int [B, T, K]; teacher_topk_logp: floating [B, T, K].
+      mask_bt: [B, T] loss mask.
+    """
+    b, t = mask_bt.shape
+    keep = jnp.asarray(mask_bt) != 0
+
+    def compute(h, ids, lp, k):
+        jsd = generalized_jsd_topk(lm.lm_logits(h), ids, lp, beta=beta, temperature=temperature)
+        return jnp.where(k, jsd, 0.0)
+
+    if chunk_size is None or chunk_size >= t:
+        return compute(hidden_btd, teacher_topk_ids, teacher_topk_logp, keep)
+    n = -(-t // chunk_size)
+    pad = n * chunk_size - t
+
+    def chunks(x):  # [B, T, ...] -> [n, B, C, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(b, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def one(xs):
+        h, ids, lp, k = xs
+        zero = lambda *_: jnp.zeros(k.shape, _f32)  # noqa: E731
+        return jax.lax.cond(jnp.any(k), compute, zero, h, ids, lp, k)
+
+    out = jax.lax.map(
+        one,
+        (chunks(hidden_btd), chunks(teacher_topk_ids), chunks(teacher_topk_logp), chunks(keep)),
+    )
+    return out.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
 
 
 def make_distill_update(
@@ -393,17 +471,54 @@ def make_distill_update(
     lr_schedule: engine.LRSchedule = None,
     mesh: Any = None,
 ) -> Callable:
-    """The distillation update (one epoch): the batch needs ``teacher_logp`` [B, T] (the
-    teacher's log-probs of the labels) and, with ``distill.reward_coef`` > 0, ``advantages``;
-    ``old_logp``, ``ref_logp``, ``sampler_logp`` and ``behaviour_logp`` as GRPO's update.
-    Metrics: GRPO's plus ``distill/reverse_kl`` (k1, mean over loss tokens),
-    ``distill/reverse_kl_k3`` and ``distill/teacher_logp``."""
+    """The distillation update (one epoch; ``DistillUpdateConfig``). Reverse KL: the batch
+    needs ``teacher_logp`` [B, T] (the teacher's log-probs of the labels) and, with
+    ``distill.reward_coef`` > 0, ``advantages``; ``old_logp``, ``ref_logp``, ``sampler_logp`` and
+    ``behaviour_logp`` as GRPO's update. Metrics: GRPO's plus ``distill/reverse_kl`` (k1, mean
+    over loss tokens), ``distill/reverse_kl_k3`` and ``distill/teacher_logp``. JSD: the batch
+    needs ``teacher_topk_ids`` / ``teacher_topk_logp`` [B, T, K]; metrics ``loss``,
+    ``policy_loss``, ``distill/jsd`` (mean over loss tokens), ``distill/jsd_max``."""
     cfg = cfg or DistillUpdateConfig()
     entropy_grad = cfg.loss.entropy_coef != 0
-    _, spec = policy_gradient.policy_specs(cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches)
+    if cfg.distill.signal == "jsd":
+        spec = batch_lib.BatchSpec(
+            required=cfg.rollout_fields, num_microbatches=cfg.num_microbatches
+        )
+    else:
+        _, spec = policy_gradient.policy_specs(
+            cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
+        )
 
     def full_batch(batch):
         return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+
+    def jsd_loss_fn(params, mb, denom):
+        lm = nnx.merge(graphdef, params)
+        hidden, _ = lm.backbone(
+            mb.input_ids,
+            mb.attention_mask,
+            mb.positions,
+            segment_ids=mb.segment_ids,
+            prompt_group_ids=mb.prompt_group_ids,
+        )
+        loss_config.expect_array(
+            mb.teacher_topk_ids, "teacher_topk_ids", shape=(*mb.loss_mask.shape, cfg.distill.top_k)
+        )
+        jsd_bt = topk_jsd_from_hidden(
+            lm,
+            hidden,
+            mb.teacher_topk_ids,
+            mb.teacher_topk_logp,
+            mb.loss_mask,
+            beta=cfg.distill.beta,
+            temperature=cfg.distill.temperature,
+            chunk_size=cfg.logprob_chunk_size,
+        )
+        loss, metrics = jsd_loss(
+            jsd_bt, mb.loss_mask, cfg.loss, denominator=denom, segment_ids_bt=mb.segment_ids
+        )
+        metrics["policy_loss"] = metrics["loss"]
+        return loss, metrics
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
@@ -429,7 +544,12 @@ def make_distill_update(
         return loss, metrics
 
     return engine.make_update(
-        spec=spec, tx=tx, lr_schedule=lr_schedule, mesh=mesh, full_batch=full_batch, loss_fn=loss_fn
+        spec=spec,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        mesh=mesh,
+        full_batch=full_batch,
+        loss_fn=jsd_loss_fn if cfg.distill.signal == "jsd" else loss_fn,
     )
 
 
@@ -464,10 +584,15 @@ def distill_algorithm(
         mesh=mesh,
     )
     needs_ref = cfg.loss.kl_coef > 0
-    needs_old = epochs_per_batch > 1 or bool(rollouts_may_be_stale)
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
-    )
+    jsd = cfg.distill.signal == "jsd"
+    # The JSD has no importance ratio: no old pass, whatever the epochs or staleness.
+    needs_old = not jsd and (epochs_per_batch > 1 or bool(rollouts_may_be_stale))
+    if jsd:
+        rollout_spec = update.batch_spec
+    else:
+        rollout_spec, _ = policy_gradient.policy_specs(
+            cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
+        )
 
     def prepare(state, rollouts):
         batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
