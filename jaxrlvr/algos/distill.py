@@ -350,7 +350,7 @@ def jsd_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# The method record (the reverse-KL signal).
+# The method record (either signal).
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
