@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.model.lora import LoRAConfig
+from jaxrlvr.model.lora import ATTENTION_TARGETS, LoRAConfig
 
 DType = Literal["float32", "bfloat16"]
 DTYPES: tuple[str, ...] = get_args(DType)
@@ -195,6 +195,17 @@ class ModelConfig:
             )
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise ConfigError(f"model.lora={self.lora!r}: expected a LoRAConfig or None")
+        if self.lora is not None and self.is_moe:
+            # A MoE block has no dense projections: its router and experts take no adapters (as
+            # PEFT's "all-linear" finds no nn.Linear in them), so the targets narrow, once, here.
+            kept = tuple(t for t in self.lora.targets if t in ATTENTION_TARGETS)
+            if not kept:
+                raise ConfigError(
+                    f"model.lora.targets={list(self.lora.targets)}: a MoE model's experts and "
+                    f"router take no adapters; target some of {list(ATTENTION_TARGETS)}"
+                )
+            if kept != self.lora.targets:
+                object.__setattr__(self, "lora", dataclasses.replace(self.lora, targets=kept))
         if self.head_dim % 2:
             raise ConfigError(f"model head_dim={self.head_dim} must be even for rotary embeddings")
 

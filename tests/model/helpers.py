@@ -136,3 +136,22 @@ def forward(lm, ids, mask=None, positions=None) -> np.ndarray:
     return np.asarray(
         _jit_forward(graphdef, params, as_array(ids), as_array(mask), as_array(positions))
     )
+
+
+def random_lora_b(adapters, seed: int):
+    """``adapters`` (an ``nnx.State`` of ``LoRAParam``) with every B set to a random float32
+    matrix of scale 0.2, so that the adapters change the model's function; A is kept."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        if getattr(path[-1], "key", path[-1]) == "lora_b":
+            return x.replace(jnp.asarray(0.2 * rng.standard_normal(x.shape), jnp.float32))
+        return x
+
+    return jax.tree_util.tree_map_with_path(
+        fill, adapters, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )

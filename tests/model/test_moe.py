@@ -316,3 +316,27 @@ def test_update_engine_adds_router_terms(ckpt, lm):
     np.testing.assert_allclose(last_on, last_off, rtol=1e-6, atol=1e-9)
     with pytest.raises(M.ConfigError, match="router_aux_loss"):
         M.ModelConfig.tiny(router_aux_loss=True)
+
+
+def test_lora_on_moe_adapts_attention_only(ckpt, tmp_path):
+    """LoRA on a MoE model: the targets narrow to attention (router and experts stay frozen),
+    and PEFT loads our adapters onto transformers' Qwen3MoeForCausalLM with our logits."""
+    import copy
+
+    from peft import PeftModel
+
+    from jaxrlvr.model import lora, peft
+
+    lm = M.load_hf(ckpt.path, lora=lora.LoRAConfig(rank=4, alpha=8.0))
+    assert lm.config.lora.targets == lora.ATTENTION_TARGETS
+    graphdef, params = nnx.split(lm, nnx.Param)
+    params = nnx.State.merge(params, helpers.random_lora_b(nnx.state(lm, lora.LoRAParam), 14))
+    peft.save_adapter(lm.config, params, tmp_path / "ours", base_model_name_or_path="tiny")
+    model = PeftModel.from_pretrained(copy.deepcopy(ckpt.torch_model), tmp_path / "ours").eval()
+    ids = helpers.random_ids(2, 10, seed=15)
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+    assert np.abs(theirs - helpers.torch_logits(ckpt.torch_model, ids)).max() > 0.1
+    np.testing.assert_allclose(helpers.forward(nnx.merge(graphdef, params), ids), theirs, atol=1e-4)
+    with pytest.raises(ValueError, match="experts and router take no adapters"):
+        M.load_hf(ckpt.path, lora=lora.LoRAConfig(targets=("gate_proj",)))

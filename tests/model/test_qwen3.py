@@ -4,7 +4,6 @@ round trips both ways, refusals of fields the decoder does not implement, PEFT a
 import copy
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -156,10 +155,7 @@ def test_peft_adapters_on_qwen3_both_ways(ckpts, tmp_path):
     lm = M.load_hf(ckpt.path, lora=cfg, lora_seed=1)
     graphdef, params = nnx.split(lm, nnx.Param)
     # Non-zero B so the adapters change the function.
-    params = nnx.State.merge(
-        params,
-        jax_tree_map_b(nnx.state(lm, lora.LoRAParam)),
-    )
+    params = nnx.State.merge(params, helpers.random_lora_b(nnx.state(lm, lora.LoRAParam), 5))
     peft.save_adapter(lm.config, params, tmp_path / "ours", base_model_name_or_path="tiny")
     model = PeftModel.from_pretrained(copy.deepcopy(ckpt.torch_model), tmp_path / "ours").eval()
     ids = helpers.random_ids(2, 10, seed=3)
@@ -176,21 +172,3 @@ def test_peft_adapters_on_qwen3_both_ways(ckpts, tmp_path):
         theirs = theirs_model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
     loaded = peft.load_peft(ckpt.path, tmp_path / "theirs")
     np.testing.assert_allclose(helpers.forward(loaded, ids), theirs, atol=F32_ATOL)
-
-
-def jax_tree_map_b(adapters):
-    """The adapters with every B set to a fixed random matrix (A stays)."""
-    import jax
-
-    rng = np.random.default_rng(5)
-
-    def fill(path, x):
-        if path[-1] == "lora_b":
-            return x.replace(jnp.asarray(0.2 * rng.standard_normal(x.shape), jnp.float32))
-        return x
-
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fill(tuple(getattr(k, "key", k) for k in p), x),
-        adapters,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
