@@ -172,3 +172,22 @@ def test_peft_adapters_on_qwen3_both_ways(ckpts, tmp_path):
         theirs = theirs_model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
     loaded = peft.load_peft(ckpt.path, tmp_path / "theirs")
     np.testing.assert_allclose(helpers.forward(loaded, ids), theirs, atol=F32_ATOL)
+
+
+def test_config_round_trips_through_config_json():
+    """to_hf_config -> from_hf_config is the identity for every family (what checkpoints and
+    ``jaxrlvr export`` rely on); active parameters count k of E experts."""
+    for cfg in (
+        M.ModelConfig.tiny(model_type="qwen3", head_dim_override=32, attention_bias=True),
+        M.ModelConfig.tiny(
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.01,
+        ),
+    ):
+        assert M.ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    # 2 layers x (8 - 2) inactive experts x 3 kernels of 64 x 32.
+    assert cfg.num_params() - cfg.num_params(active=True) == 2 * (8 - 2) * 3 * 64 * 32
