@@ -322,7 +322,7 @@ class RLSection:
     compiled once per count and row bucket; the count is logged as ``tokens/microbatches``.
     ``microbatches`` stays 1 then. None: ``microbatches`` microbatches every step.
 
-    ``max_staleness`` (k): asynchronous rollouts (``jaxrlvr.async_rollouts``; docs/async.md).
+    ``max_staleness`` (k): asynchronous rollouts (``jaxrlvr.phases.producer``; docs/async.md).
     0 is the synchronous loop. With k > 0 the batch of step t + k is generated while step t
     updates, by the weights of version t (the policy after t updates), so every batch from step
     k on is exactly k versions old (step t < k: t versions). ``off_policy_correction``: with

@@ -14,7 +14,7 @@ import numpy as np
 from jaxrlvr import assembly, compile_cache, distributed, preflight, prompts
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
-from jaxrlvr.envs import rollout as envs_rollout
+from jaxrlvr.envs import multi_turn
 from jaxrlvr.phases import base
 
 
@@ -67,9 +67,7 @@ def evaluate(
         # Tool-use rollouts (``env.tools``): turns, tool calls and errors, how rollouts ended.
         # One process's share in a multi-process job: left out there.
         **(
-            envs_rollout.trajectory_metrics(completions, prefix="eval/tool/")
-            if block[1] == 1
-            else {}
+            multi_turn.trajectory_metrics(completions, prefix="eval/tool/") if block[1] == 1 else {}
         ),
     }
 

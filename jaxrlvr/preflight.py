@@ -542,6 +542,8 @@ def check(
 
         for cls in phases.plan(cfg):
             for f in cls.data_files(cls.view(cfg)):
+                if f.path is None:
+                    raise PreflightError(f.missing)
                 if f.key not in rows and f.key != "data.train":
                     rows[f.key] = check_data_file(f.path, f.key, d.on_bad_row)
     if mode == "train":

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlvr import async_rollouts, train
 from jaxrlvr import config as config_lib
+from jaxrlvr import train
+from jaxrlvr.phases import producer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -231,11 +232,11 @@ def test_producer_refuses_a_batch_older_than_k():
         finish_reason="stop",
         weight_version=3,
     )
-    ro = async_rollouts.Rollouts(step=6, problems=[], prompts=[[1]], completions=[c], metrics={})
-    assert async_rollouts.check_lag(ro, 5, 2) == 2
+    ro = producer.Rollouts(step=6, problems=[], prompts=[[1]], completions=[c], metrics={})
+    assert producer.check_lag(ro, 5, 2) == 2
     with pytest.raises(RuntimeError, match="3 versions behind.*max_staleness=2"):
-        async_rollouts.check_lag(ro, 6, 2)
-    mixed = async_rollouts.Rollouts(
+        producer.check_lag(ro, 6, 2)
+    mixed = producer.Rollouts(
         step=6,
         problems=[],
         prompts=[[1]],
@@ -255,7 +256,7 @@ def test_producer_refuses_a_batch_older_than_k():
     with pytest.raises(RuntimeError, match="weight versions"):
         _ = mixed.version
     # Saved and restored through JSON exactly (float32 log-probs round-trip).
-    back = async_rollouts.Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
+    back = producer.Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
     assert back == ro
 
 

@@ -4,7 +4,7 @@ Modules:
   base         EnvStep, Environment (the protocol), Tool, ToolEnvironment, split_trace
   python_tool  PythonTool: ``<python>code</python>`` runs in the code-reward sandbox
   calculator   Calculator: ``<calc>expression</calc>``
-  rollout      MultiTurnSampler (any sampler -> multi-turn trajectories), Trajectory, TurnLimits,
+  multi_turn   MultiTurnSampler (any sampler -> multi-turn trajectories), Trajectory, TurnLimits,
                trajectory_metrics
 
 ``make_tools`` builds tools by name (what ``env.tools`` of a run config names).
@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxrlvr.envs import base, calculator, python_tool, rollout
+from jaxrlvr.envs import base, calculator, multi_turn, python_tool
 from jaxrlvr.envs.base import Environment, EnvStep, Tool, ToolEnvironment, ToolResult, split_trace
 from jaxrlvr.envs.calculator import Calculator
+from jaxrlvr.envs.multi_turn import MultiTurnSampler, Trajectory, TurnLimits, trajectory_metrics
 from jaxrlvr.envs.python_tool import PythonTool
-from jaxrlvr.envs.rollout import MultiTurnSampler, Trajectory, TurnLimits, trajectory_metrics
 from jaxrlvr.rewards import sandbox as sandbox_lib
 
 __all__ = [
     "base",
     "calculator",
     "python_tool",
-    "rollout",
+    "multi_turn",
     "EnvStep",
     "Environment",
     "Tool",

@@ -1,6 +1,6 @@
 """The environment protocol of multi-turn rollouts, and the tool environment built on it.
 
-A multi-turn rollout alternates model turns and environment turns (``envs.rollout``). The
+A multi-turn rollout alternates model turns and environment turns (``envs.multi_turn``). The
 environment sees each model turn as text and answers with an ``EnvStep``: an observation to append
 (tokenized once, never trained on), a reward, and whether the episode is over.
 
@@ -12,7 +12,7 @@ environment sees each model turn as text and answers with an ``EnvStep``: an obs
 ``<tag>argument</tag>`` of one of its tools (the ``Tool`` protocol: ``PythonTool`` runs code in the
 code-reward sandbox, ``Calculator`` evaluates arithmetic) gets the tool's output back as
 ``<output>...</output>``; a turn without a call is the final answer and ends the episode. The
-task's verifier still grades the whole trajectory (``envs.rollout``); the environment's step
+task's verifier still grades the whole trajectory (``envs.multi_turn``); the environment's step
 rewards are added to it (both tools here give 0).
 
 ``split_trace`` cuts a written trace (an SFT example) into model and environment pieces, so that
@@ -49,7 +49,7 @@ class EnvStep:
 
 @runtime_checkable
 class Environment(Protocol):
-    """One episode's environment (``envs.rollout`` makes one per trajectory).
+    """One episode's environment (``envs.multi_turn`` makes one per trajectory).
 
     ``stop``: strings that end a model turn so that the environment can act on it (a tool's
     closing tag); the rollout adds them to the sampler's stop strings.

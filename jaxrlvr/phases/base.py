@@ -150,12 +150,14 @@ class BatchGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class DataFile:
-    """A data file a phase reads: its config key, its value, and the batch it must fill."""
+    """A data file a phase reads: its config key, its value (None: not set, which preflight
+    refuses with ``missing``), and the batch it must fill."""
 
     key: str
-    path: str
+    path: str | None
     batch: int
     batch_key: str
+    missing: str = ""
 
 
 @dataclasses.dataclass

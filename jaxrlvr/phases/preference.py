@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrlvr import configlib, preflight, rollout
+from jaxrlvr import configlib, rollout
 from jaxrlvr import prompts as prompt_lib
 from jaxrlvr.algos import preference
 from jaxrlvr.data import iterators, loading
@@ -59,11 +59,9 @@ class PreferencePhase(base.RLStepsPhase):
     def data_files(cls, cfg):
         if cfg.rl.steps <= 0:
             return []
-        if cfg.pref.data is None:
-            raise preflight.PreflightError(
-                f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)"
-            )
-        return [base.DataFile("pref.data", cfg.pref.data, cfg.pref.batch_size, "pref.batch_size")]
+        missing = f"rl.algo={cfg.rl.algo}: set pref.data (a jsonl of pairs)"
+        pref = cfg.pref
+        return [base.DataFile("pref.data", pref.data, pref.batch_size, "pref.batch_size", missing)]
 
     def prepare(self, batch):
         batch, metrics = self.compiled.prepare(self.state, batch)

@@ -3,7 +3,7 @@
 A source draws the step's problems from the data order (with the difficulty filter twice as
 many candidates), samples ``rl.group_size`` completions per prompt, grades them, feeds the
 curriculum, and, with ``rl.max_staleness`` = k > 0, produces the batches k steps ahead on a
-background thread (``async_rollouts``), checking each batch's weight version against k. It
+background thread (``phases.producer``), checking each batch's weight version against k. It
 hands the learner (``phases.learner``) a ``GradedRollouts`` and knows nothing of losses; it also
 owns the sampler's weights (``sync``: which copy of the parameters the sampler may keep).
 
@@ -24,12 +24,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrlvr import async_rollouts, distributed, prompts
 from jaxrlvr import config as config_lib
+from jaxrlvr import distributed, prompts
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import iterators, loading, shards
-from jaxrlvr.envs import rollout as env_rollout
-from jaxrlvr.phases import base
+from jaxrlvr.envs import multi_turn
+from jaxrlvr.phases import base, producer
 from jaxrlvr.rewards import grading
 from jaxrlvr.sampling import base as sampling_base
 
@@ -76,7 +76,7 @@ class RolloutSource:
         self.iterator = self.make_iterator()
         self.producer = None
         if rl.max_staleness > 0:
-            self.producer = async_rollouts.RolloutProducer(
+            self.producer = producer.RolloutProducer(
                 self._rollout_job, rl.max_staleness, completion_cls=self.completion_cls
             )
 
@@ -167,9 +167,9 @@ class RolloutSource:
         drawn = self.draw()
         seed = self.step_seed(rl_step)
 
-        def job() -> async_rollouts.Rollouts:
+        def job() -> producer.Rollouts:
             problems, prompt_ids, completions, m = self.sample(seed, drawn)
-            return async_rollouts.Rollouts(rl_step, problems, prompt_ids, completions, m)
+            return producer.Rollouts(rl_step, problems, prompt_ids, completions, m)
 
         return job
 
@@ -209,7 +209,7 @@ class RolloutSource:
                 version = ro.version
             generate_s = ro.generate_s
             m = {
-                "async/staleness": float(async_rollouts.check_lag(ro, t, k)),
+                "async/staleness": float(producer.check_lag(ro, t, k)),
                 "async/rollout_version": float(ro.version),
                 "time/generate_s": ro.generate_s,
             }
@@ -251,7 +251,7 @@ class MultiTurnSource(RolloutSource):
     rewards add to the verifier's, and the step's metrics carry turns, tool calls, tool errors
     and time, and how rollouts ended (``tool/...``)."""
 
-    completion_cls = env_rollout.Trajectory
+    completion_cls = multi_turn.Trajectory
 
     def generate(self, problems, prompt_ids, n, params):
         return self.ctx.sampler.generate(prompt_ids, n, params, problems=problems)
@@ -265,5 +265,5 @@ class MultiTurnSource(RolloutSource):
 
     def sample(self, step_seed, drawn=None):
         problems, prompt_ids, completions, m = super().sample(step_seed, drawn)
-        m = {**m, **env_rollout.trajectory_metrics(completions, prefix="tool/")}
+        m = {**m, **multi_turn.trajectory_metrics(completions, prefix="tool/")}
         return problems, prompt_ids, completions, m

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlvr import async_rollouts, envs, rollout
+from jaxrlvr import envs, rollout
+from jaxrlvr.phases import producer
 from jaxrlvr.sampling import base, jax_sampler, vllm_sampler
 
 PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [300, 301, 302, 303, 304, 305]]
@@ -115,7 +116,7 @@ def test_rescored_trajectory_matches_sampler_logprobs_on_model_tokens(jax_setup,
     m = envs.trajectory_metrics(out)
     assert m["turns_mean"] == np.mean([c.turns for c in out])
     assert m["errors_per_rollout"] == np.mean([c.tool_errors for c in out])
-    assert sum(m[f"end/{r}"] for r in envs.rollout.END_REASONS) == pytest.approx(1.0)
+    assert sum(m[f"end/{r}"] for r in envs.multi_turn.END_REASONS) == pytest.approx(1.0)
 
 
 def test_trajectories_survive_a_checkpoint_of_rollouts_in_flight(jax_setup):
@@ -125,17 +126,17 @@ def test_trajectories_survive_a_checkpoint_of_rollouts_in_flight(jax_setup):
     sampler, export = jax_setup
     params = base.SamplingParams(max_tokens=48, temperature=1.0, seed=2, stop_token_ids=STOP_IDS)
     out = _multi_turn(sampler, export["tokenizer"]).generate(PROMPTS[:1], 2, params)
-    ro = async_rollouts.Rollouts(3, [], [PROMPTS[0]], out, {"tool/turns_mean": 2.0})
+    ro = producer.Rollouts(3, [], [PROMPTS[0]], out, {"tool/turns_mean": 2.0})
     # The multi-turn rollout source restores its batches as trajectories.
-    back = async_rollouts.Rollouts.from_json(json.loads(json.dumps(ro.to_json())), envs.Trajectory)
+    back = producer.Rollouts.from_json(json.loads(json.dumps(ro.to_json())), envs.Trajectory)
     assert back.completions == out and all(isinstance(c, envs.Trajectory) for c in back.completions)
     plain = base.Completion(
         prompt_index=0, token_ids=[1], logprobs=[-0.5], text="a", finish_reason="stop"
     )
-    single = async_rollouts.Rollouts(3, [], [PROMPTS[0]], [plain], {})
-    assert async_rollouts.Rollouts.from_json(
-        json.loads(json.dumps(single.to_json()))
-    ).completions == [plain]
+    single = producer.Rollouts(3, [], [PROMPTS[0]], [plain], {})
+    assert producer.Rollouts.from_json(json.loads(json.dumps(single.to_json()))).completions == [
+        plain
+    ]
 
 
 def test_limits_end_rollouts_with_their_reason(jax_setup):
