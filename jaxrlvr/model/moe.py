@@ -82,6 +82,9 @@ class RouterOutput:
 
 
 def resolve_impl(impl: MoEImpl) -> str:
+    """The kernel "auto" means here: by ``jax.default_backend()`` at trace time. A program
+    lowered on one platform for another (``jax.export`` from a CPU host for TPU or CUDA) should
+    set ``ModelConfig.moe_impl="ragged_dot"`` explicitly."""
     if impl == "auto":
         return "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "sorted_blocks"
     return impl

@@ -300,7 +300,8 @@ def test_update_engine_adds_router_terms(ckpt, lm):
         return jax.jit(lambda p, m: engine.accumulate_gradients(loss_fn, p, m))(params, mbs)
 
     g_off, m_off = run(lm)
-    g_on, m_on = run(M.load_hf(ckpt.path, router_aux_loss=True))
+    # The aux-loss model also runs its scanned layers rematerialised (the path updates take).
+    g_on, m_on = run(M.load_hf(ckpt.path, router_aux_loss=True, remat=True))
     expected = np.mean([float(moe.load_balancing_loss(backbone(lm, mb)[1])) for mb in mbs])
     np.testing.assert_allclose(float(m_off["router/aux_loss"]), expected, rtol=1e-5)
     assert {"router/load_max_over_mean", "router/layer1/load_entropy"} <= set(m_off)
@@ -313,7 +314,10 @@ def test_update_engine_adds_router_terms(ckpt, lm):
     assert diff.max() > 1e-6
     last_on = layers_on["mlp"]["experts"]["down_proj"][...][-1]
     last_off = layers_off["mlp"]["experts"]["down_proj"][...][-1]
-    np.testing.assert_allclose(last_on, last_off, rtol=1e-6, atol=1e-9)
+    # Remat recomputes in another order: ~1e-5 of the gradient's scale (the aux term itself
+    # would add O(coef) here if it reached these experts).
+    scale = float(np.abs(np.asarray(last_off)).max())
+    np.testing.assert_allclose(last_on, last_off, rtol=0, atol=1e-5 * scale)
     with pytest.raises(M.ConfigError, match="router_aux_loss"):
         M.ModelConfig.tiny(router_aux_loss=True)
 
