@@ -495,6 +495,52 @@ class ModelConfig:
         )
 
     @classmethod
+    def qwen3_1_7b(cls, **overrides) -> ModelConfig:
+        """Qwen3-1.7B (its config.json): 1.72B parameters (1.41B without the embedding),
+        vocabulary 151,936, head_dim 128, tied embeddings. For abstract-shape benchmarks."""
+        fields = dict(
+            model_type="qwen3",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim_override=128,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def qwen3_30b_a3b(cls, **overrides) -> ModelConfig:
+        """Qwen3-30B-A3B (its config.json): 30.5B parameters, 3.35B active per token; 48
+        layers of 128 experts (width 768), top-8 renormalised. For abstract-shape benchmarks."""
+        fields = dict(
+            model_type="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim_override=128,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
         """A ~0.1M-parameter model (vocabulary 128, hidden 64, 2 layers, 4 / 2 heads, tied): the
         one tiny config of the tests and benchmarks, which override its fields (a vocabulary,

@@ -191,3 +191,12 @@ def test_config_round_trips_through_config_json():
         assert M.ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
     # 2 layers x (8 - 2) inactive experts x 3 kernels of 64 x 32.
     assert cfg.num_params() - cfg.num_params(active=True) == 2 * (8 - 2) * 3 * 64 * 32
+
+
+def test_presets_count_the_published_sizes():
+    # Qwen3-1.7B: 1.7B (1.4B non-embedding); Qwen3-30B-A3B: 30.5B total, 3.3B activated.
+    assert M.ModelConfig.qwen3_1_7b().num_params() == 1_720_574_976
+    assert M.ModelConfig.qwen3_1_7b().num_non_embedding_params() == 1_409_410_048
+    big = M.ModelConfig.qwen3_30b_a3b()
+    assert big.num_params() == 30_532_122_624
+    assert big.num_params(active=True) == 3_353_032_704
