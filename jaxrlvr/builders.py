@@ -65,6 +65,12 @@ def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig
         num_key_value_heads=m.num_key_value_heads,
         max_position_embeddings=m.max_position_embeddings,
         tie_word_embeddings=m.tie_word_embeddings,
+        model_type=m.model_type,
+        head_dim_override=m.head_dim,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
         hf_config={
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.eos_token_id,

@@ -72,6 +72,15 @@ class ModelSection:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    # The random model's family (``model.ModelConfig``): "qwen2", "qwen3" or "qwen3_moe" (then
+    # ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` per token);
+    # ``head_dim``: null is hidden_size / num_attention_heads. Checkpoints read theirs from config.json.
+    model_type: str = "qwen2"
+    head_dim: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     # MoE checkpoints: add router_aux_loss_coef x the load-balancing loss to every update
     # (``model.ModelConfig.router_aux_loss``); off by default, as RL stacks run it.
     router_aux_loss: bool = False
