@@ -73,8 +73,9 @@ class ModelSection:
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
     # The random model's family (``model.ModelConfig``): "qwen2", "qwen3" or "qwen3_moe" (then
-    # ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` per token);
-    # ``head_dim``: null is hidden_size / num_attention_heads. Checkpoints read theirs from config.json.
+    # ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` of them
+    # per token); ``head_dim``: null is hidden_size / num_attention_heads. A checkpoint's come
+    # from its config.json.
     model_type: str = "qwen2"
     head_dim: int | None = None
     num_experts: int = 0
