@@ -499,7 +499,7 @@ class Sandbox:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if cfg.kind == "bwrap":
             if self._mounts is None and os.geteuid() == 0:
-                self._mounts = tempfile.mkdtemp(prefix="jaxrlvr-mounts-")
+                self._mounts = _host_dir("jaxrlvr-mounts-", self._slot)
             cmd = bwrap_command(cfg, self.python, self.uid_base, self._mounts)
             if self._mounts is not None:
                 private = private_tmpfs_command(cfg, self._mounts, cmd)
@@ -517,7 +517,7 @@ class Sandbox:
                 flush=True,
             )
             if self._workdir is None:
-                self._workdir = tempfile.mkdtemp(prefix="jaxrlvr-code-")
+                self._workdir = _host_dir("jaxrlvr-code-", self._slot)
                 os.chmod(self._workdir, 0o711)
             else:  # a restart after an unclean program: what it left goes now
                 _remove_quietly(self._workdir, keep_root=True)
@@ -702,6 +702,22 @@ class Sandbox:
 
 
 _UNMATCHABLE = object()  # equal to no value a program can send back
+
+
+def _host_dir(prefix: str, slot: int) -> str:
+    """A new host directory ``PREFIX<pid>-<slot>-XXXX`` in the system's temp dir, after removing
+    those of processes that died without closing their sandbox (a grading worker killed at its
+    deadline leaves its directory behind)."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except OSError:
+        names = []
+    for name in names:
+        pid = name[len(prefix) :].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            _remove_quietly(os.path.join(root, name))
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{slot}-")
 
 
 def _remove_quietly(path: str, keep_root: bool = False) -> None:
