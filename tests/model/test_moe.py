@@ -168,18 +168,29 @@ def test_unrolled_remat_equals_scan(ckpt, lm):
     assert float(jnp.abs(router_grad).max()) > 0
 
 
-def test_packed_row_equals_separate_rows(lm):
-    """Two sequences packed in one row (segment ids, per-segment positions) give the logits of
-    each alone: routing is per token, attention stays within a segment."""
-    a, b = helpers.random_ids(1, 7, seed=6), helpers.random_ids(1, 9, seed=7)
-    row = np.concatenate([a, b], axis=1)
-    seg = np.array([[1] * 7 + [2] * 9], np.int32)
-    pos = np.array([list(range(7)) + list(range(9))], np.int32)
+def test_packed_row_with_shared_prompt_equals_separate_rows(lm):
+    """One row holding a sequence (segment 1) and a shared prompt (segment 0, group 1) with two
+    completions (segments 2, 3 of group 1) gives the logits of each sequence alone: routing is
+    per token, attention follows the segments and the shared prompt."""
+    a, p = helpers.random_ids(1, 7, seed=6), helpers.random_ids(1, 5, seed=7)
+    c1, c2 = helpers.random_ids(1, 4, seed=16), helpers.random_ids(1, 4, seed=17)
+    row = np.concatenate([a, p, c1, c2], axis=1)
+    seg = np.array([[1] * 7 + [0] * 5 + [2] * 4 + [3] * 4], np.int32)
+    grp = np.array([[0] * 7 + [1] * 13], np.int32)
+    pos = np.array([list(range(7)) + list(range(5)) + list(range(5, 9)) * 2], np.int32)
     graphdef, params = nnx.split(lm, nnx.Param)
-    call = jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a[:3], segment_ids=a[3]))
-    packed = np.asarray(call(params, jnp.asarray(row), None, jnp.asarray(pos), jnp.asarray(seg)))
+
+    @jax.jit
+    def call(p, ids, pos, seg, grp):
+        return nnx.merge(graphdef, p)(ids, None, pos, segment_ids=seg, prompt_group_ids=grp)
+
+    packed = np.asarray(call(params, *map(jnp.asarray, (row, pos, seg, grp))))
     np.testing.assert_allclose(packed[:, :7], helpers.forward(lm, a), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[:, 7:], helpers.forward(lm, b), atol=1e-5, rtol=0)
+    first = helpers.forward(lm, np.concatenate([p, c1], axis=1))
+    second = helpers.forward(lm, np.concatenate([p, c2], axis=1))
+    np.testing.assert_allclose(packed[:, 7:12], first[:, :5], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 12:16], first[:, 5:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 16:], second[:, 5:], atol=1e-5, rtol=0)
 
 
 def test_forced_routes_replay(lm):
