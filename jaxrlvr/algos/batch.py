@@ -17,6 +17,10 @@ its sequence's value. Without segment ids they may be [B] (one sequence per row)
 Shared prompts (``rollout.pack(share_prompts=...)``): ``prompt_group_ids`` [B, T] int32 as well
 (``model.decoder``): a group's prompt is laid out once, in segment 0 (no loss, no sequence), and
 its completions' segments attend to it.
+MoE routing replay (``algos.routing``): ``routes`` [B, T, L, k] (int8 / int16 / int32), the
+experts the sampler sent each input token to in each of the L MoE layers, -1 where unknown (a
+token with a -1 uses its live top-k); like the packing fields every update accepts it, and the
+model's forward replays it.
 
 Not here: building batches from rollouts (the driver) and length bucketing.
 """
@@ -28,7 +32,7 @@ import numpy as np
 from flax import struct
 
 # Fields every update needs, and the optional ones, with their rank ("bt" = [B, T], "b" = [B],
-# "btk" = [B, T, K] with any K).
+# "btk" = [B, T, K] with any K, "btlk" = [B, T, L, k] with any L, k).
 BASE_FIELDS = ("input_ids", "attention_mask", "labels", "loss_mask")
 _LAYOUT = {
     "input_ids": "bt",
@@ -49,10 +53,13 @@ _LAYOUT = {
     "segment_ids": "bt",
     "positions": "bt",
     "prompt_group_ids": "bt",
+    "routes": "btlk",
 }
 # Packed rows: optional for every update; segment ids and positions both or neither, prompt
 # group ids (shared prompts) only with them.
 PACKING_FIELDS = ("segment_ids", "positions", "prompt_group_ids")
+# Read by the model's forward itself (routing replay), so accepted by every update.
+MODEL_FIELDS = ("routes",)
 _INT_FIELDS = (
     "input_ids",
     "labels",
@@ -62,6 +69,7 @@ _INT_FIELDS = (
     "teacher_topk_ids",
 )
 _MASK_FIELDS = ("attention_mask", "loss_mask")
+_ROUTE_DTYPES = (np.int8, np.int16, np.int32)
 
 
 class BatchError(ValueError):
@@ -91,6 +99,7 @@ class Batch:
     segment_ids, positions: int32 [B, T], packed rows (module docstring); then the per-sequence
     fields advantages, rewards and correct are per token, [B, T].
     prompt_group_ids: int32 [B, T], packed rows whose groups share one copy of their prompt.
+    routes: int8 / int16 / int32 [B, T, L, k], MoE routing replay (module docstring), optional.
     """
 
     input_ids: jax.Array
@@ -111,6 +120,7 @@ class Batch:
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
     prompt_group_ids: jax.Array | None = None
+    routes: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +145,8 @@ class BatchSpec:
 
 
 def _dtype_ok(name: str, dtype: np.dtype) -> str | None:
+    if name == "routes":
+        return None if dtype in _ROUTE_DTYPES else "int8, int16 or int32"
     if name in _INT_FIELDS:
         return None if dtype == np.int32 else "int32"
     if name in _MASK_FIELDS:
@@ -159,7 +171,8 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
     """
     if not isinstance(batch, Batch):
         raise BatchError(f"expected a jaxrlvr.algos.batch.Batch, got {type(batch).__name__}")
-    allowed = set(BASE_FIELDS) | set(spec.required) | set(spec.optional) | set(PACKING_FIELDS)
+    allowed = set(BASE_FIELDS) | set(spec.required) | set(spec.optional)
+    allowed |= set(PACKING_FIELDS) | set(MODEL_FIELDS)
     ref = batch.input_ids
     if not hasattr(ref, "shape") or len(ref.shape) != 2:
         raise BatchError(f"batch.input_ids must be [B, T], got shape {getattr(ref, 'shape', None)}")
@@ -187,6 +200,8 @@ def validate_batch(batch: Batch, spec: BatchSpec) -> tuple[int, int]:
             want = shape  # per-sequence values given per token
         if _LAYOUT[name] == "btk":  # any K
             want = (b, t, shape[2] if len(shape) == 3 else "K")
+        if _LAYOUT[name] == "btlk":  # any L, k
+            want = (b, t, *shape[2:]) if len(shape) == 4 else (b, t, "L", "k")
         if shape != want:
             raise BatchError(
                 f"batch.{name} must have shape {want} (B, T from input_ids), got {shape}"

@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import policy_loss
+from jaxrlvr.algos import policy_loss, routing
 from jaxrlvr.algos import state as state_lib
 from jaxrlvr.model import grad_sink, lora, moe, sharding
 from jaxrlvr.model import logprobs as logprobs_lib
@@ -124,6 +124,12 @@ def token_logprobs_from_hidden(
     )
 
 
+def replay_kwargs(routes_btlk) -> dict:
+    """``backbone``'s routing-replay argument for ``Batch.routes`` (``algos.routing``): none
+    when the batch carries no routes, so a dense model's call is unchanged."""
+    return {} if routes_btlk is None else {"routes": routing.to_model(routes_btlk)}
+
+
 def token_logprobs(
     lm: Any, batch: batch_lib.Batch, *, entropy_grad: bool = False, chunk_size: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -137,6 +143,7 @@ def token_logprobs(
         batch.positions,
         segment_ids=batch.segment_ids,
         prompt_group_ids=batch.prompt_group_ids,
+        **replay_kwargs(batch.routes),
     )
     logp, ent = token_logprobs_from_hidden(
         lm,
@@ -164,7 +171,8 @@ def make_logprob_fn(
     in chunks of that many positions (``token_logprobs_from_hidden``), both to bound the
     [B, T, V] logits memory; chunked, only ``loss_mask`` positions are computed (0 elsewhere).
     Uses ``input_ids``, ``attention_mask`` and ``labels`` (and the packing fields, shared
-    prompts' included, and ``loss_mask`` when present); other fields are ignored.
+    prompts' included, ``loss_mask`` and MoE ``routes``, replayed, when present); other fields
+    are ignored.
     """
     check_microbatches(num_microbatches)
     check_chunk_size(chunk_size)
@@ -184,12 +192,18 @@ def make_logprob_fn(
             batch.segment_ids,
             batch.prompt_group_ids,
             batch.loss_mask,
+            batch.routes,
         )
 
         def one(x):
-            ids, mask, labels, positions, segment_ids, prompt_group_ids, loss_mask = x
+            ids, mask, labels, positions, segment_ids, prompt_group_ids, loss_mask, routes = x
             hidden, _ = lm.backbone(
-                ids, mask, positions, segment_ids=segment_ids, prompt_group_ids=prompt_group_ids
+                ids,
+                mask,
+                positions,
+                segment_ids=segment_ids,
+                prompt_group_ids=prompt_group_ids,
+                **replay_kwargs(routes),
             )
             return token_logprobs_from_hidden(
                 lm,

@@ -137,6 +137,10 @@ class Completion:
       weight_version: the sampler's weight version that produced every token (the ``version``
         of the `update_weights` call before it: the JaxSampler's own counter, the vLLM server's
         ``update_weight_version``); None when the sampler has no version yet.
+      routes: MoE routing replay (``algos.routing``): the experts the sampler sent every token
+        it computed to, int8 (E <= 127) or int16 [P + C - 1, L, k] (prompt tokens and every
+        completion token but the last, i.e. the rows' ``input_ids``; L MoE layers, top-k in
+        the router's order), -1 where unknown; None when the sampler recorded none.
     """
 
     prompt_index: int
@@ -146,6 +150,7 @@ class Completion:
     finish_reason: FinishReason
     forced: list[bool] | None = None
     weight_version: int | None = None
+    routes: Any = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

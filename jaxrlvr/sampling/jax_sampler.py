@@ -88,6 +88,7 @@ class _Static:
     # Rows come in groups of this many copies of one prompt (the n samples of a prompt, rows
     # prompt-major): the prompt is prefilled once per group and its cache copied to the rows.
     group: int = 1
+    routes: bool = False  # MoE: record every layer's experts of every token (routing replay)
 
 
 @dataclasses.dataclass
@@ -102,6 +103,7 @@ class _Loop:
     done_b: jax.Array
     length_b: jax.Array
     stopped_b: jax.Array  # finished on a stop id (finish_reason "stop")
+    routes_bglk: jax.Array | None = None  # experts of each fed completion token (``routes``)
 
 
 jax.tree_util.register_dataclass(
@@ -153,7 +155,9 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
       s: the static choices (`_Static`).
 
     Returns:
-      tokens [B, G] int32, logprobs [B, G] float32, lengths [B] int32, stopped [B] bool.
+      tokens [B, G] int32, logprobs [B, G] float32, lengths [B] int32, stopped [B] bool; with
+      ``s.routes`` also the experts of the prompt slots [B, P, L, k] and of the fed completion
+      tokens [B, G, L, k] (token j at index j), in ``routes_dtype(cfg)``.
     """
     lm = nnx.merge(graphdef, params)
     ids, pos, pvalid = inputs["prompt_ids"], inputs["prompt_pos"], inputs["prompt_valid"]
@@ -161,21 +165,27 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
     g = s.gen_len
     # Slots after the prompt are all valid; causality (slot <= current) hides the unwritten ones.
     valid_bs = jnp.concatenate([pvalid, jnp.ones((b, g), bool)], axis=1)
+    record = {"with_router": True} if s.routes else {}
     # Prefill: the prompt fills slots [0, P) of a P + G slot cache; logits of the last position.
     if s.group > 1:
         # One prefill per prompt, not per sample: the group's first row, then its cache and
         # last-position logits repeated to the group's rows (n x less prefill work).
         first = slice(None, None, s.group)
         cache = M.init_cache(cfg, b // s.group, p + g)
-        hidden, cache = lm.backbone(
-            ids[first], valid_bs[first], pos[first], cache=cache, cache_index=0
+        hidden, cache, *router = lm.backbone(
+            ids[first], valid_bs[first], pos[first], cache=cache, cache_index=0, **record
         )
         cache = jax.tree.map(lambda x: jnp.repeat(x, s.group, axis=0), cache)
         logits = jnp.repeat(lm.lm_logits(hidden[:, -1:])[:, 0], s.group, axis=0)
     else:
         cache = M.init_cache(cfg, b, p + g)
-        hidden, cache = lm.backbone(ids, valid_bs, pos, cache=cache, cache_index=0)
+        hidden, cache, *router = lm.backbone(
+            ids, valid_bs, pos, cache=cache, cache_index=0, **record
+        )
         logits = lm.lm_logits(hidden[:, -1:])[:, 0]
+    prompt_routes = None
+    if s.routes:  # [L, B', P, k] -> [B, P, L, k]
+        prompt_routes = jnp.repeat(_routes_of(router[0], cfg), s.group, axis=0)
     next_pos = pos[:, -1] + 1  # position of the first generated token
 
     done0 = ~inputs["row_valid"]
@@ -188,6 +198,11 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
         done_b=done0,
         length_b=jnp.zeros((b,), jnp.int32),
         stopped_b=jnp.zeros((b,), bool),
+        routes_bglk=None
+        if not s.routes
+        else jnp.full(
+            (b, g, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, routes_dtype(cfg)
+        ),
     )
     key = inputs["key"]
     st = _emit(st, logits, key, inputs, s)
@@ -197,18 +212,35 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
 
     def body(st: _Loop):
         prev = st.t - 1  # the token being fed sits at slot p + prev
-        hidden, cache = lm.backbone(
+        hidden, cache, *router = lm.backbone(
             st.token_b[:, None],
             valid_bs,
             (next_pos + prev)[:, None],
             cache=st.cache,
             cache_index=p + prev,
+            **record,
         )
         logits = lm.lm_logits(hidden)[:, 0]
-        return _emit(dataclasses.replace(st, cache=cache), logits, key, inputs, s)
+        st = dataclasses.replace(st, cache=cache)
+        if s.routes:  # the fed token (completion token ``prev``)'s experts
+            st.routes_bglk = jax.lax.dynamic_update_slice_in_dim(
+                st.routes_bglk, _routes_of(router[0], cfg), prev, axis=1
+            )
+        return _emit(st, logits, key, inputs, s)
 
     st = jax.lax.while_loop(cond, body, st)
-    return st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b
+    out = (st.tokens_bg, st.logp_bg, st.length_b, st.stopped_b)
+    return out + (prompt_routes, st.routes_bglk) if s.routes else out
+
+
+def routes_dtype(cfg: M.ModelConfig):
+    """The compact dtype of recorded expert ids: int8 when the ids and the -1 fit, else int16."""
+    return jnp.int8 if cfg.num_experts <= 127 else jnp.int16
+
+
+def _routes_of(router, cfg: M.ModelConfig) -> jax.Array:
+    """A router output's expert ids [L, B, T, k] as [B, T, L, k] in ``routes_dtype``."""
+    return jnp.transpose(router.expert_ids, (1, 2, 0, 3)).astype(routes_dtype(cfg))
 
 
 _TRACES = [0]
@@ -290,6 +322,10 @@ class JaxSampler:
       prompt_buckets, gen_buckets, batch_buckets: the sizes that padded shapes are rounded up to.
       logprobs_mode: "processed" (the distribution sampled from, default) or "temperature"
         (before top-k/top-p); see `sample_ops`.
+      record_routes: MoE routing replay: every completion carries the experts of every token
+        this sampler computed (``Completion.routes``, recorded in prefill and decode); None
+        (default) records them for a MoE model and not for a dense one. Not recorded with a
+        thinking budget (its continuation call re-reads the head: those rollouts carry None).
     """
 
     def __init__(
@@ -303,6 +339,7 @@ class JaxSampler:
         gen_buckets: Sequence[int] = DEFAULT_GEN_BUCKETS,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         logprobs_mode: sample_ops.LogprobsMode = "processed",
+        record_routes: bool | None = None,
     ):
         sample_ops.check_logprobs_mode(logprobs_mode)
         for name, bs in (
@@ -316,6 +353,9 @@ class JaxSampler:
             raise TypeError(f"model must be a Qwen2ForCausalLM, got {type(model).__name__}")
         cfg = model.config
         mesh = model.mesh if mesh is None else mesh
+        if record_routes and not cfg.is_moe:
+            raise ValueError("record_routes (routing replay) needs a MoE model (qwen3_moe)")
+        self.record_routes = cfg.is_moe if record_routes is None else bool(record_routes)
         self.cfg = cfg
         self.mesh = mesh
         self.prompt_buckets = tuple(sorted(prompt_buckets))
@@ -390,7 +430,11 @@ class JaxSampler:
             raise ValueError("stop strings and thinking_budget need a tokenizer")
         if sampling_params.thinking_budget is not None:
             return base.generate_with_thinking_budget(
-                self._generate_plain, prompts, n, sampling_params, self.tokenizer
+                lambda *a: self._generate_plain(*a, routes=False),
+                prompts,
+                n,
+                sampling_params,
+                self.tokenizer,
             )
         return self._generate_plain(prompts, n, sampling_params)
 
@@ -398,12 +442,20 @@ class JaxSampler:
     # Internals
 
     def _generate_plain(
-        self, prompts: list[list[int]], n: int, sampling_params: base.SamplingParams
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling_params: base.SamplingParams,
+        *,
+        routes: bool = True,
     ) -> list[base.Completion]:
         """`generate` without a thinking budget, on validated prompts."""
         rows = [p for p in prompts for _ in range(n)]
         weights, version = self._live  # one snapshot: these weights generate every row
-        tokens, logps, lengths, stopped = self._run(weights, rows, sampling_params, group=n)
+        routes = routes and self.record_routes
+        tokens, logps, lengths, stopped, *recorded = self._run(
+            weights, rows, sampling_params, group=n, routes=routes
+        )
         stops = sampling_params.stop
         out = []
         # Host work per call, not per row: one tolist per array, one batched decode.
@@ -419,6 +471,13 @@ class JaxSampler:
             if stops:
                 ids, lp, text, hit = self._cut_at_stop(ids, lp, text, stops)
                 reason = "stop" if hit else reason
+            row_routes = None
+            if routes:  # the row's prompt slots (left-padded) then its fed tokens
+                prompt_routes, gen_routes = recorded
+                np_ = len(rows[r])
+                row_routes = np.concatenate(
+                    [prompt_routes[r, prompt_routes.shape[1] - np_ :], gen_routes[r, : len(ids)]]
+                )[: np_ + len(ids) - 1]
             out.append(
                 base.Completion(
                     prompt_index=r // n,
@@ -427,6 +486,7 @@ class JaxSampler:
                     text=text,
                     finish_reason=reason,
                     weight_version=version,
+                    routes=row_routes,
                 )
             )
         base.check_prompt_major(out, len(prompts), n)
@@ -439,8 +499,11 @@ class JaxSampler:
             return 1
         return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
-    def _run(self, weights, rows: list[list[int]], params: base.SamplingParams, *, group=1):
-        """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy).
+    def _run(
+        self, weights, rows: list[list[int]], params: base.SamplingParams, *, group=1, routes=False
+    ):
+        """Runs the compiled program on ``rows``; tokens, logprobs, lengths, stopped (NumPy),
+        and with ``routes`` the prompt's and the completion's experts (``generate_arrays``).
         ``group``: rows come in groups of that many copies of one prompt (prefilled once)."""
         multi = self.mesh is not None and jax.process_count() > 1
         # Multi-process: ``rows`` are this process's; every process pads its rows to the same
@@ -486,6 +549,7 @@ class JaxSampler:
             logprobs_mode=self.logprobs_mode,
             # Grouped prefill needs whole groups that still split over the batch shards.
             group=group if group > 1 and b % (group * self.batch_multiple) == 0 else 1,
+            routes=routes,
         )
         inputs = self._place(inputs, multi=multi)
         outs = _generate_jit(

@@ -1,0 +1,124 @@
+"""MoE routing replay (R3, R2) and the sampler-vs-trainer routing diagnostics.
+
+Why (arXiv 2510.11370; ../shared FIELD notes): a MoE sampler and trainer pick experts
+independently, and float-level differences flip top-k choices that then compound over layers, so
+the trainer's log-probs are those of a different network than the one that sampled. Replay
+forces the trainer's forward onto the experts the rollout used.
+
+- ``Batch.routes`` [B, T, L, k] (``algos.batch``) holds, per input token and MoE layer, the
+  experts to use (-1: the live top-k). ``to_model`` turns it into the decoder's ``routes``
+  [L, B, T, k]; ``engine.token_logprobs`` and ``engine.make_logprob_fn`` pass it on, so every
+  update's training forward and every ``prepare`` pass (old / reference log-probs) replays it.
+  Only the selection is replayed: the gate weights come from the live float32 router softmax at
+  the chosen experts (``model.moe.select_experts``), so the router keeps its gradient.
+- Modes (``ReplayMode``, the driver's ``rl.routing_replay``): ``"none"`` (routes are dropped
+  before the update; they still feed the diagnostics), ``"r3"`` (rollout routing replay: the
+  sampler's recorded routes), ``"r2"`` (the trainer's own routes of the batch under the
+  parameters before the step, fixed across the step's epochs and microbatches; ``trainer_routes``).
+- Diagnostics (``route_metrics``): the share of (token, layer) top-k sets where the sampler's
+  experts differ from the trainer's live ones, the share of tokens that differ in any layer, per
+  layer too, and the k3 estimate of KL(sampler || trainer) with and without replay.
+
+Left out: the vLLM side (``sampling.vllm_sampler`` parses the server's routes where it can
+return them) and the shapes of the routes on the host (``rollout.pack``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrlvr.algos import batch as batch_lib
+
+ReplayMode = Literal["none", "r3", "r2"]
+
+
+def check_mode(mode: str, key: str = "rl.routing_replay") -> None:
+    if mode not in get_args(ReplayMode):
+        raise ValueError(f"{key}={mode!r}: expected one of {', '.join(get_args(ReplayMode))}")
+
+
+def to_model(routes_btlk: jax.Array | None) -> jax.Array | None:
+    """``Batch.routes`` [B, T, L, k] as the decoder's ``routes`` [L, B, T, k] int32 (or None)."""
+    if routes_btlk is None:
+        return None
+    return jnp.transpose(routes_btlk, (2, 0, 1, 3)).astype(jnp.int32)
+
+
+def _same_set(a_nk: jax.Array, b_nk: jax.Array) -> jax.Array:
+    """Whether two rows of k expert ids hold the same set (order ignored): [..., k] -> [...]."""
+    return jnp.all(jnp.sort(a_nk, axis=-1) == jnp.sort(b_nk, axis=-1), axis=-1)
+
+
+def disagreement(
+    sampler_btlk: jax.Array, live_btlk: jax.Array, valid_bt: jax.Array
+) -> dict[str, jax.Array]:
+    """Routing disagreement between recorded and live experts over the valid tokens that carry
+    routes (no -1): ``routing/disagree`` (share of (token, layer) top-k sets that differ),
+    ``routing/token_disagree`` (share of tokens that differ in at least one layer),
+    ``routing/layer{i}/disagree``, and ``routing/covered`` (share of valid tokens with routes).
+    """
+    known = jnp.all(sampler_btlk >= 0, axis=(-1, -2))
+    valid = valid_bt.astype(bool)
+    use = (valid & known).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(use), 1.0)
+    differ = (~_same_set(sampler_btlk.astype(jnp.int32), live_btlk.astype(jnp.int32))).astype(
+        jnp.float32
+    )  # [B, T, L]
+    per_layer = jnp.sum(differ * use[..., None], axis=(0, 1)) / n
+    out = {
+        "routing/disagree": jnp.mean(per_layer),
+        "routing/token_disagree": jnp.sum(jnp.max(differ, axis=-1) * use) / n,
+        "routing/covered": jnp.sum(use) / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0),
+    }
+    for i in range(per_layer.shape[0]):
+        out[f"routing/layer{i}/disagree"] = per_layer[i]
+    return out
+
+
+def _k3(sampler_logp, trainer_logp, mask):
+    """Mean k3 estimate of KL(sampler || trainer) over ``mask``: r - 1 - log r with r =
+    pi_trainer / pi_sampler (Schulman's k3; expm1 and a clamp at 0 for float32 mismatch)."""
+    d = trainer_logp - sampler_logp
+    k3 = jnp.maximum(jnp.expm1(d) - d, 0.0)
+    m = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(m > 0, k3, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _forward(lm, batch: batch_lib.Batch, routes):
+    hidden, _, router = lm.backbone(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.positions,
+        segment_ids=batch.segment_ids,
+        prompt_group_ids=batch.prompt_group_ids,
+        routes=routes,
+        with_router=True,
+    )
+    logits = lm.lm_logits(hidden)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch.labels[..., None], -1)[..., 0]
+    return logp, jnp.transpose(router.expert_ids, (1, 2, 0, 3))
+
+
+def trainer_routes(graphdef: nnx.GraphDef, params: Any, batch: batch_lib.Batch) -> jax.Array:
+    """R2: the trainer's own live routes of ``batch`` [B, T, L, k] int32 under ``params``
+    (un-jitted; jit it)."""
+    lm = nnx.merge(graphdef, params)
+    return _forward(lm, batch.replace(routes=None), None)[1]
+
+
+def route_metrics(graphdef: nnx.GraphDef, params: Any, batch: batch_lib.Batch) -> dict:
+    """Routing diagnostics of a batch that carries the sampler's routes and log-probs
+    (``disagreement`` and ``routing/k3_live`` / ``routing/k3_replay``: the k3 estimate of
+    KL(sampler || trainer) on the loss tokens, the trainer without and with replay). Two full
+    forwards; un-jitted (jit it)."""
+    lm = nnx.merge(graphdef, params)
+    logp_live, live = _forward(lm, batch, None)
+    logp_replay, _ = _forward(lm, batch, to_model(batch.routes))
+    out = disagreement(batch.routes, live, batch.attention_mask)
+    out["routing/k3_live"] = _k3(batch.sampler_logp, logp_live, batch.loss_mask)
+    out["routing/k3_replay"] = _k3(batch.sampler_logp, logp_replay, batch.loss_mask)
+    return out
