@@ -18,6 +18,9 @@ Shared prompts (``pack(share_prompts=G)``, the driver's ``rl.share_prompts``): t
 of a prompt are packed as one block, the prompt once and each completion after it in a segment
 of its own that attends to it (``prompt_group_ids``, ``model.decoder``): a GRPO group costs its
 prompt's positions once instead of G times, with the same log-probs, loss and gradient.
+MoE routes (``pack(routes=...)``, ``Completion.routes``): each sequence's recorded experts go to
+its input positions like its tokens; a shared prompt takes its group's first recorded routes
+once; positions without routes hold -1 (the forward's live top-k).
 
 Left out: sampling itself (``sampling/``), the loss math (``algos/``).
 """
@@ -110,6 +113,7 @@ class PackedBatch:
     positions: np.ndarray | None = None
     placement: np.ndarray | None = None
     prompt_group_ids: np.ndarray | None = None
+    routes: np.ndarray | None = None  # [B, T, L, k], -1 where unknown
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -138,6 +142,26 @@ def _write_completion(
         sampler_logp[row, first : first + length] = np.asarray(sampler_logps[i], np.float32)
 
 
+def _route_buffer(routes, rows: int, length: int) -> np.ndarray | None:
+    """A [rows, length, L, k] buffer of -1 in the recorded routes' dtype, or None when no
+    sequence carries routes."""
+    first = next((r for r in routes or () if r is not None), None)
+    if first is None:
+        return None
+    first = np.asarray(first)
+    return np.full((rows, length, *first.shape[1:]), -1, first.dtype)
+
+
+def _write_routes(buffer, routes, i, row, pos, lo, hi) -> None:
+    """Sequence ``i``'s routes of its input tokens [lo, hi) at ``pos`` in ``row``."""
+    if buffer is None or routes[i] is None:
+        return
+    r = np.asarray(routes[i])
+    if r.shape[0] < hi:
+        raise ValueError(f"pack: routes of sequence {i} cover {r.shape[0]} tokens, need {hi}")
+    buffer[row, pos : pos + hi - lo] = r[lo:hi]
+
+
 def pack(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
@@ -152,6 +176,7 @@ def pack(
     row_tokens: int | None = None,
     row_multiple: int = 1,
     share_prompts: int | None = None,
+    routes: Sequence[np.ndarray | None] | None = None,
 ) -> PackedBatch:
     """Packs prompt + completion rows into shifted, right-padded arrays.
 
@@ -171,6 +196,8 @@ def pack(
         GRPO group): the prompt is laid out once and its completions attend to it
         (``prompt_group_ids``), so a group costs its prompt's positions once instead of once per
         completion; same log-probs, loss and gradient as without.
+      routes: per sequence, MoE routes [len(prompt) + len(completion) - 1, L, k] of its input
+        tokens (``Completion.routes``) or None; the result's ``routes`` (module docstring).
     """
     rows = len(prompts)
     if len(completions) != rows:
@@ -188,6 +215,7 @@ def pack(
             row_tokens=row_tokens,
             row_multiple=row_multiple,
             share_prompts=share_prompts,
+            routes=routes,
         )
     if share_prompts:
         raise ValueError("pack: share_prompts needs the packed layout (segments=True)")
@@ -204,11 +232,13 @@ def pack(
     attention = np.zeros((batch_size, length), np.int32)
     loss_mask = np.zeros((batch_size, length), np.float32)
     sampler_logp = np.zeros((batch_size, length), np.float32)
+    route_buf = _route_buffer(routes, batch_size, length)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         full = np.asarray(list(p) + list(c), np.int32)
         n = len(full) - 1
         if n <= 0:
             continue
+        _write_routes(route_buf, routes, i, i, 0, 0, n)
         input_ids[i, :n] = full[:-1]
         labels[i, :n] = full[1:]
         attention[i, :n] = 1
@@ -221,6 +251,7 @@ def pack(
         loss_mask=loss_mask,
         sampler_logp=sampler_logp,
         num_tokens=int(loss_mask.sum()),
+        routes=route_buf,
     )
 
 
@@ -300,6 +331,7 @@ def _pack_segments(
     row_tokens,
     row_multiple,
     share_prompts=None,
+    routes=None,
 ) -> PackedBatch:
     """``pack(segments=True)``: first-fit decreasing of the items (sequences, or groups that
     share their prompt) into rows of T positions."""
@@ -336,6 +368,7 @@ def _pack_segments(
     segment_ids = np.zeros((b, length), np.int32)
     positions = np.zeros((b, length), np.int32)
     groups = np.zeros((b, length), np.int32) if share_prompts else None
+    route_buf = _route_buffer(routes, b, length)
     placement = np.zeros((len(completions), 3), np.int64)
     # Segment (and group) ids 1, 2, ... in position order within each row.
     seg_count, group_count = [0] * b, [0] * b
@@ -344,6 +377,10 @@ def _pack_segments(
         if groups is not None:
             group_count[row] += 1
         n = len(item.prefix)
+        if n and route_buf is not None:  # a shared prompt: its group's first recorded routes
+            first = next((s.index for s in item.spans if routes[s.index] is not None), None)
+            if first is not None:
+                _write_routes(route_buf, routes, first, row, pos, 0, n)
         if n:
             ids = np.asarray(item.prefix, np.int32)
             input_ids[row, pos : pos + n] = ids
@@ -363,6 +400,8 @@ def _pack_segments(
             positions[row, pos:end] = pos0 + np.arange(len(ids))
             if groups is not None:
                 groups[row, pos:end] = group_count[row]
+            # The span's input tokens are tokens pos0 .. pos0 + len(ids) of [prompt][completion].
+            _write_routes(route_buf, routes, i, row, pos, pos0, pos0 + len(ids))
             _write_completion(
                 loss_mask,
                 sampler_logp,
@@ -385,6 +424,7 @@ def _pack_segments(
         positions=positions,
         placement=placement,
         prompt_group_ids=groups,
+        routes=route_buf,
     )
 
 
@@ -527,9 +567,15 @@ def shape(
         row_tokens=cfg.max_tokens_per_row,
         row_multiple=cfg.row_multiple,
         share_prompts=g if cfg.share_prompts else None,
+        routes=[c.routes for c in completions],
     )
     batch = to_batch(
-        packed, advantages=adv, rewards=rewards, correct=correct, sampler_logp=packed.sampler_logp
+        packed,
+        advantages=adv,
+        rewards=rewards,
+        correct=correct,
+        sampler_logp=packed.sampler_logp,
+        routes=packed.routes,
     )
     metrics.update(
         {
