@@ -1,7 +1,9 @@
 """Pieces the benchmarks share: reference model shapes, timing, peak RSS, worker processes, JSON.
 
 - Shapes are ``ModelConfig`` factories (float32, untied, 512 positions unless overridden):
-  ``update_ref`` (issue 4's GRPO-update shape, ~31M params), ``sampler_ref`` (issue 5's rollout
+  ``update_ref`` (issue 4's GRPO-update shape, ~31M params), ``moe_ref`` (its Qwen3-MoE
+  counterpart: the same attention and vocabulary, 16 experts top-4 of a quarter of its MLP width,
+  so a token's active parameters equal ``update_ref``'s), ``sampler_ref`` (issue 5's rollout
   and weight-sync shape, ~7M params) and ``tiny`` (``ModelConfig.tiny``, vocabulary 512);
   ``hf_kwargs`` turns one into the ``transformers.Qwen2Config`` arguments for a random
   transformers model of the same size.
@@ -62,6 +64,22 @@ def qwen2(
 def update_ref(**overrides) -> model_config.ModelConfig:
     """Issue 4's update shape: vocab 8192, hidden 512, 8 layers, 8/2 heads, ~31M params."""
     return qwen2(vocab=8192, hidden=512, mlp=1408, layers=8, heads=8, kv_heads=2, **overrides)
+
+
+def moe_ref(**overrides) -> model_config.ModelConfig:
+    """``update_ref`` as a Qwen3-MoE (QK-norm, head_dim 64): 16 experts of width 352, top-4
+    renormalised, so a token's active MLP (4 x 352 = 1,408 wide) is ``update_ref``'s; ~84M
+    parameters, ~31M active."""
+    fields = dict(
+        model_type="qwen3_moe",
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=352,
+        norm_topk_prob=True,
+    )
+    return qwen2(
+        vocab=8192, hidden=512, mlp=1408, layers=8, heads=8, kv_heads=2, **(fields | overrides)
+    )
 
 
 def sampler_ref(**overrides) -> model_config.ModelConfig:

@@ -1,4 +1,4 @@
-"""Per-device memory of the 1.5B GRPO update, from XLA's own analysis: compiled, never run.
+"""Per-device memory of the GRPO update at real sizes, from XLA's own analysis: compiled, never run.
 
 For every configuration, a fresh worker process (with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX starts) builds the
@@ -25,6 +25,12 @@ projection, alpha 2 x rank): the base frozen in float32 or in bfloat16 storage, 
 adapters and their AdamW moments the only trained state (the engine differentiates the adapters
 only, so the in-place accumulation of ``model.grad_sink`` is not used: the adapters' gradients
 are small).
+``--model`` picks the architecture (abstract parameters from the checkpoints' config.json
+shapes, ``ModelConfig`` presets): ``qwen2.5-math-1.5b`` (default), ``qwen3-1.7b`` (tied) or
+``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; its experts stacked ``[E, ...]`` and sharded
+over ``fsdp`` by the rules table, the MoE kernel ``moe_impl="ragged_dot"`` as on GPU and TPU).
+Every record carries the floor: float32 weights + two AdamW moments + one gradient accumulator,
+16 bytes a parameter, divided by the devices (``floor`` in bytes, ``total / floor`` printed).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
 
 Usage: ``jaxrlvr bench memory [--fsdp 1,8] [--chunk off,on] [--packing off] [--json PATH]``.
@@ -60,6 +66,26 @@ def qwen25_math_1_5b(**overrides):
     return model_config.ModelConfig.qwen2_5_math_1_5b(**{**fields, **overrides})
 
 
+MODELS = ("qwen2.5-math-1.5b", "qwen3-1.7b", "qwen3-30b-a3b")
+
+
+def real_model(name: str, **overrides):
+    """The ``--model`` architecture (``ModelConfig`` presets of the checkpoints' config.json),
+    bf16 compute, float32 storage, remat, scanned layers; the MoE on the grouped-matmul kernel
+    of the accelerators (``ragged_dot``: the CPU block kernel gathers weights per block)."""
+    from jaxrlvr.model import config as model_config
+
+    fields = dict(dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True)
+    if name == "qwen2.5-math-1.5b":
+        return qwen25_math_1_5b(**overrides)
+    if name == "qwen3-1.7b":
+        return model_config.ModelConfig.qwen3_1_7b(**{**fields, **overrides})
+    if name == "qwen3-30b-a3b":
+        fields["moe_impl"] = "ragged_dot"
+        return model_config.ModelConfig.qwen3_30b_a3b(**{**fields, **overrides})
+    raise ValueError(f"--model {name!r}: expected one of {', '.join(MODELS)}")
+
+
 def tiny_model(**overrides):
     return common.tiny(**{"dtype": "bfloat16", "remat": True, **overrides})
 
@@ -88,6 +114,7 @@ class Case:
     tiny: bool
     lora: str = "off"
     lora_rank: int = 16
+    model: str = "qwen2.5-math-1.5b"
 
     @property
     def rows_per_microbatch(self) -> int:
@@ -145,7 +172,7 @@ def measure(case: Case) -> dict:
     from jaxrlvr.algos import step
 
     overrides = model_overrides(case.lora, case.lora_rank)
-    cfg = tiny_model(**overrides) if case.tiny else qwen25_math_1_5b(**overrides)
+    cfg = tiny_model(**overrides) if case.tiny else real_model(case.model, **overrides)
     mesh = model_lib.make_mesh(
         model_lib.MeshConfig(data=1, fsdp=case.fsdp, tensor=1), jax.devices()[: case.fsdp]
     )
@@ -176,12 +203,18 @@ def measure(case: Case) -> dict:
     out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
     from jaxrlvr.model import lora as lora_lib
 
+    trained = sum(x.size for x in jax.tree.leaves(lora_lib.trainable(params_shape)))
+    params = sum(x.size for x in jax.tree.leaves(params_shape))
+    storage = cfg.storage_dtype.itemsize
+    # Floor: the stored weights, plus float32 moments (2) and gradient accumulator of the trained.
+    floor = (params * storage + trained * 3 * 4) / case.fsdp
     return dict(
         bytes=out,
+        floor=floor,
         lower_s=lower_s,
         compile_s=compile_s,
         params=cfg.num_params(),
-        trained_params=sum(x.size for x in jax.tree.leaves(lora_lib.trainable(params_shape))),
+        trained_params=trained,
         devices=len(jax.devices()),
     )
 
@@ -231,13 +264,16 @@ def _row(r: dict) -> str:
     b = {k: v / GIB for k, v in r["bytes"].items()}
     return (
         f"{head} {b['arguments']:>7.2f} {b['outputs']:>7.2f} {b['temporaries']:>7.2f}"
-        f" {b['aliased']:>7.2f} {b['total']:>7.2f} {r['compile_s']:>8.1f} {r['remat_warnings']:>6}"
+        f" {b['aliased']:>7.2f} {b['total']:>7.2f} {r['floor'] / GIB:>7.2f}"
+        f" {r['bytes']['total'] / r['floor']:>6.2f} {r['compile_s']:>8.1f} {r['remat_warnings']:>6}"
     )
 
 
 HEADER = (
-    "fsdp   mbs rows chunk pack     lora    args    outs   temps   alias   total  compile  remat\n"
-    "                                         (GiB per device)                     (s)  warns"
+    "fsdp   mbs rows chunk pack     lora    args    outs   temps   alias   total   floor"
+    "  /floor  compile  remat\n"
+    "                                         (GiB per device)                             "
+    "              (s)  warns"
 )
 
 
@@ -261,16 +297,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the lora cases")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--tiny", action="store_true", help="a tiny model at a small shape (seconds)")
+    p.add_argument(
+        "--model", default=MODELS[0], help=f"comma list of architectures: {', '.join(MODELS)}"
+    )
     args = p.parse_args(argv)
     try:
         sizes = [int(s) for s in args.fsdp.split(",") if s]
     except ValueError:
         p.error(f"--fsdp: expected a comma list of integers, got {args.fsdp!r}")
+    models = common.comma_list(p, "--model", args.model, MODELS)
     rollouts, seq = (16, 64) if args.tiny else (ROLLOUTS, PROMPT + RESPONSE)
     records = []
     print(HEADER, flush=True)
     loras = common.comma_list(p, "--lora", args.lora, LORA_CHOICES)
-    for fsdp in sizes:
+    for model, fsdp in [(m, n) for m in models for n in sizes]:
+        if not args.tiny:
+            print(f"-- {model}, {fsdp} devices", flush=True)
         for chunk in _flags(args.chunk, "--chunk", p):
             for packing in _flags(args.packing, "--packing", p):
                 for lora in loras:
@@ -284,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                         tiny=args.tiny,
                         lora=lora,
                         lora_rank=args.lora_rank,
+                        model=model,
                     )
                     record = run_case(case, args.timeout)
                     record["case"]["microbatches"] = case.microbatches

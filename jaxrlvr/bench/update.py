@@ -35,13 +35,19 @@ right-padded to the longest sequence of the batch, the same 4 microbatches of 4 
 is counted in real (non-padding) tokens per second for both; ``computed`` is the positions each
 system ran, padding included. MFU counts real tokens.
 
+``--moe``: the reference shape as a Qwen3-MoE (``common.moe_ref``: 16 experts of width 352,
+top-4, QK-norm; ~83M parameters, ~31M active, so the same active size and batch): jaxrlvr's
+grouped dispatch (``moe_impl="auto"``, the sorted-blocks kernel on CPU) against transformers'
+``Qwen3MoeForCausalLM`` (the checkpoint's config.json picks it; its experts implementation is
+recorded in ``version``). MFU counts the active parameters.
+
 ``--demo``: configs/demo.yaml's model (vocab 104, hidden 128, MLP 384, 3 layers, 4/2 heads,
 tied) at its GRPO step's shape (128 rows x 31 positions, one microbatch). ``--op-classes``: the
 jaxrlvr worker also traces its timed steps with JAX's profiler and reports milliseconds per
 XLA:CPU op class (``op_classes``: matmul fusions, zero-filling broadcasts, copies, the layer
 scan's slices, while loops, elementwise).
 
-Usage: ``jaxrlvr bench update [--tiny | --demo] [--op-classes] [--lengths fixed|r1zero]
+Usage: ``jaxrlvr bench update [--tiny | --demo | --moe] [--op-classes] [--lengths fixed|r1zero]
 [--json PATH] [--repeats N] [--systems jaxrlvr,torch]`` (or ``python
 benchmarks/bench_update.py``); ``--repeats``: timed steps per system.
 Not a test: timings are for the closing note and for spotting regressions.
@@ -85,6 +91,7 @@ SHAPES = {
         response=16,
         microbatches=1,
     ),
+    "moe": dict(model=common.moe_ref, batch=16, prompt=64, response=192, microbatches=4),
     "tiny": dict(
         model=functools.partial(common.tiny, tie_word_embeddings=False),
         batch=8,
@@ -422,13 +429,15 @@ def _worker_torch(shape: Shape, weights: str, steps: int, threads: int, lengths:
     times = common.timed_calls(run, steps)
     a = torch.randn(2048, 2048)
     best = min(common.timed_calls(lambda: torch.mm(a, a), 10))
+    experts = getattr(model.config, "_experts_implementation", None)
     return {
         "step_times_s": times,
         "compile_s": 0.0,
         "first_step_s": first_s,
         "matmul_gflops": 2 * 2048**3 / best / 1e9,
         "peak_rss_mib": common.peak_rss_mib(),
-        "version": f"torch {torch.__version__}, transformers {transformers.__version__}",
+        "version": f"torch {torch.__version__}, transformers {transformers.__version__}"
+        + (f", experts_implementation={experts}" if experts else ""),
         **counts,
     }
 
@@ -438,7 +447,7 @@ def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
     argv += ["--lengths", args.lengths]
     flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
-    flags += (("--demo", args.demo), ("--op-classes", args.op_classes))
+    flags += (("--demo", args.demo), ("--moe", args.moe), ("--op-classes", args.op_classes))
     argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
 
@@ -450,6 +459,11 @@ def main(argv=None) -> int:
         "--demo",
         action="store_true",
         help="configs/demo.yaml's model and GRPO step shape (128 x 31 positions, 0.6M params)",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="the reference shape as a Qwen3-MoE (16 experts top-4, ~31M of ~83M params active)",
     )
     p.add_argument(
         "--op-classes",
@@ -476,9 +490,9 @@ def main(argv=None) -> int:
     p.add_argument("--_weights", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.tiny and args.demo:
-        p.error("--tiny and --demo are two shapes: choose one")
-    name = "tiny" if args.tiny else "demo" if args.demo else "reference"
+    if args.tiny + args.demo + args.moe > 1:
+        p.error("--tiny, --demo and --moe are shapes: choose one")
+    name = "tiny" if args.tiny else "demo" if args.demo else "moe" if args.moe else "reference"
     shape = Shape(**SHAPES[name])
 
     if args._worker is not None:
