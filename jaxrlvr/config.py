@@ -344,6 +344,13 @@ class RLSection:
     under its own version (one extra log-prob pass per step): the correction's "engine" and
     "staleness" sources and their separate diagnostics need it. False: neither source is
     available (only "both"), and the staleness diagnostics read 0.
+
+    ``routing_replay`` (MoE models; ``algos.routing``): "none" trains on the live top-k
+    experts, "r3" replays the experts the sampler recorded for each rollout (the JaxSampler
+    records them; a vLLM server must return them), "r2" the trainer's own experts of the batch
+    under the parameters before the step (fixed across its epochs). ``routing_metrics``: with
+    recorded routes, report the sampler-vs-trainer routing disagreement and the k3 gap with and
+    without replay every step (``routing/*``; two extra forwards per step).
     """
 
     # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
@@ -382,6 +389,8 @@ class RLSection:
     max_staleness: int = 0
     off_policy_correction: bool = True
     behaviour_logprobs: bool = True
+    routing_replay: Literal["none", "r3", "r2"] = "none"
+    routing_metrics: bool = True
 
     @property
     def rollouts_per_step(self) -> int:
@@ -430,6 +439,10 @@ class RLSection:
                 f"rl.loss.correction.source={corr.source!r} with rl.max_staleness="
                 f"{self.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
                 "version that sampled), or source 'both'"
+            )
+        if self.routing_replay not in ("none", "r3", "r2"):
+            raise ValueError(
+                f"rl.routing_replay={self.routing_replay!r}: expected one of none, r3, r2"
             )
         if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
             raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")

@@ -17,6 +17,10 @@ a second time with them, so the engine gap (behaviour vs sampler) and the stalen
 vs behaviour) are corrected and reported apart. After a resume the versions of the batches saved
 with the checkpoint are gone: those batches use the current parameters as their behaviour
 version (the ratio reads 1) and ``offpolicy/behaviour_exact`` is 0 on those steps.
+
+MoE routing replay (``algos.routing``, ``rl.routing_replay``): the rollouts' recorded routes
+(``Batch.routes``) feed the routing diagnostics, then stay in the batch for "r3", are replaced
+by the trainer's own routes under the step's parameters for "r2", and are dropped for "none".
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 from jaxrlvr import config as config_lib
 from jaxrlvr import rollout
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import loss_config
+from jaxrlvr.algos import loss_config, routing
 from jaxrlvr.algos import step as step_lib
 
 
@@ -84,6 +88,7 @@ class Learner:
         pad_id: int,
         max_length: int,
         row_block: tuple[int, int],
+        graphdef=None,
     ):
         self.rl, self.max_tokens = rl, max_tokens
         self.make_algorithm, self.mesh, self.shardings = make_algorithm, mesh, shardings
@@ -94,6 +99,8 @@ class Learner:
         self.compiled = compiled
         # Parameter copies by version, for the behaviour log-probs of stale batches.
         self._versions: dict[int, object] = {}
+        self._graphdef = graphdef  # the policy's (routing replay and diagnostics)
+        self._route_fns: dict[str, Callable] = {}
 
     def compiled_for(self, microbatches: int | None = None) -> step_lib.CompiledAlgorithm:
         """The prepare/update compiled for ``microbatches`` (default: the configured count). A
@@ -159,8 +166,11 @@ class Learner:
         of a record that reads ``behaviour_logp`` (GRPO, PPO) also gets it: the same pass run
         with that version's kept parameters (module docstring)."""
         compiled = self.compiled_for(microbatches)
+        rollouts, route_m = self._routes(state, rollouts)
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(state, fields)
+        if route_m:
+            metrics = {**metrics, **route_m}
         spec = compiled.algorithm.batch_spec
         if version is not None and "behaviour_logp" in spec.required + spec.optional:
             metrics = dict(metrics)
@@ -173,6 +183,28 @@ class Learner:
                 batch = batch.replace(behaviour_logp=batch.old_logp)
             metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
+
+    def _route_fn(self, name: str) -> Callable:
+        if name not in self._route_fns:
+            fn = getattr(routing, name)
+            self._route_fns[name] = jax.jit(lambda p, b: fn(self._graphdef, p, b))
+        return self._route_fns[name]
+
+    def _routes(self, state, rollouts):
+        """(rollouts with the routes ``rl.routing_replay`` trains on, routing metrics)."""
+        mode, metrics = self.rl.routing_replay, {}
+        recorded = rollouts.routes
+        if self._graphdef is None:
+            return rollouts, metrics
+        if recorded is not None and self.rl.routing_metrics and rollouts.sampler_logp is not None:
+            out = self._route_fn("route_metrics")(state.params, rollouts)
+            metrics = {k: float(v) for k, v in jax.device_get(out).items()}
+        if mode == "r2":
+            live = self._route_fn("trainer_routes")(state.params, rollouts.replace(routes=None))
+            rollouts = rollouts.replace(routes=np.asarray(live).astype(np.int16))
+        elif mode == "none" and recorded is not None:
+            rollouts = rollouts.replace(routes=None)
+        return rollouts, metrics
 
     def keep_version(self, params, t: int) -> None:
         """Before the update of step ``t``: keep a copy of the current parameters (version ``t``)

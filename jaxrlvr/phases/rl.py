@@ -102,6 +102,7 @@ class RLPhase(base.RLStepsPhase):
             pad_id=ctx.pad_id,
             max_length=ctx.model_cfg.max_position_embeddings,
             row_block=ctx.row_block,
+            graphdef=ctx.graphdef if ctx.model_cfg.is_moe else None,
         )
 
     def state_dict(self):
