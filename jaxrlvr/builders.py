@@ -160,7 +160,9 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
         own = device_split(s)[1]
         if own is not None:  # a sub-mesh of its own; update_weights copies the weights over
             mesh = model_lib.make_mesh(model_lib.MeshConfig(data=1, fsdp=-1, tensor=1), own)
-        return jax_sampler.JaxSampler(model, tokenizer, mesh=mesh, eos_token_ids=eos)
+        return jax_sampler.JaxSampler(
+            model, tokenizer, mesh=mesh, eos_token_ids=eos, compute_dtype=s.jax_dtype
+        )
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
     plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)

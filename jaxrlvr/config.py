@@ -217,6 +217,9 @@ class SamplerSection:
     # copied across after each update. 0: the sampler runs on the trainer's mesh. With
     # ``rl.max_staleness`` > 0 this lets sampling and training run at the same time.
     jax_devices: int = 0
+    # The JAX sampler's compute dtype when it should differ from the model's ("bfloat16" against
+    # a float32 trainer: the mismatch of GPU RL stacks; docs/experiments/routing_replay.md).
+    jax_dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self):
         from jaxrlvr import placement
@@ -250,6 +253,10 @@ class SamplerSection:
         loss_config.check_literal("sampler.vllm_dtype", self.vllm_dtype, VLLMDType)
         if self.jax_devices < 0:
             raise ValueError(f"sampler.jax_devices={self.jax_devices}: must be >= 0")
+        if self.jax_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                f"sampler.jax_dtype={self.jax_dtype!r}: expected float32, bfloat16 or null"
+            )
         if self.vllm_num_servers < 1:
             raise ValueError(f"sampler.vllm_num_servers={self.vllm_num_servers}: must be >= 1")
         gpus = list(self.vllm_gpus)

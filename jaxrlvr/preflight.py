@@ -475,6 +475,28 @@ def check_resume_config(cfg: config_lib.TrainConfig) -> list[tuple[str, object, 
 # A whole command
 
 
+def check_routing_replay(cfg: config_lib.TrainConfig) -> None:
+    """``rl.routing_replay=r3`` with vLLM servers this run starts: they must be able to return
+    the routed experts (``--enable-return-routed-experts``, Model Runner V2, which needs Triton,
+    so a GPU: the CPU build 0.32 refuses it). Servers given by URL are not asked; a batch
+    without routes shows as ``routing/covered`` 0."""
+    s = cfg.sampler
+    if cfg.rl.routing_replay != "r3" or s.kind != "vllm" or s.vllm_urls:
+        return
+    from jaxrlvr import placement
+
+    key = "rl.routing_replay=r3 with sampler.kind=vllm"
+    if placement.resolve_device(s.vllm_device, placement.host_gpus()) == "cpu":
+        raise PreflightError(
+            f"{key}: vLLM on the CPU cannot return routed experts (they need Model Runner V2, "
+            "i.e. Triton and a GPU); use sampler.kind=jax, which records its own"
+        )
+    if "--enable-return-routed-experts" not in s.vllm_extra_args:
+        raise PreflightError(
+            f"{key}: add --enable-return-routed-experts to sampler.vllm_extra_args"
+        )
+
+
 def check(
     cfg: config_lib.TrainConfig,
     *,
@@ -511,6 +533,7 @@ def check(
         raise PreflightError(f"{mode}: --resume/--overwrite apply to train and sft only")
     if mode == "train":
         check_run_dir(cfg.run.out_dir, resume=resume, overwrite=overwrite)
+        check_routing_replay(cfg)
     if checkpoint is not None:
         check_checkpoint(checkpoint, "--checkpoint" if mode == "eval" else "export RUN_DIR", step)
     elif mode == "export":

@@ -39,6 +39,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from jaxrlvr.data import loading
 from jaxrlvr.sampling import base
 
@@ -83,7 +85,7 @@ class Rollouts:
             "step": self.step,
             "problems": [dataclasses.asdict(p) for p in self.problems],
             "prompts": self.prompts,
-            "completions": [dataclasses.asdict(c) for c in self.completions],
+            "completions": [_completion_json(c) for c in self.completions],
             "metrics": self.metrics,
             "generate_s": self.generate_s,
         }
@@ -98,10 +100,27 @@ class Rollouts:
             step=int(data["step"]),
             problems=[loading.Problem(**p) for p in data["problems"]],
             prompts=[list(p) for p in data["prompts"]],
-            completions=[completion_cls(**c) for c in data["completions"]],
+            completions=[completion_cls(**_completion_fields(c)) for c in data["completions"]],
             metrics=dict(data["metrics"]),
             generate_s=float(data.get("generate_s", 0.0)),
         )
+
+
+def _completion_json(c: base.Completion) -> dict:
+    """A completion as JSON; MoE routes (``Completion.routes``) as their dtype and nested ids."""
+    out = dataclasses.asdict(c)
+    if out.get("routes") is not None:
+        routes = np.asarray(out["routes"])
+        out["routes"] = {"dtype": routes.dtype.name, "ids": routes.tolist()}
+    return out
+
+
+def _completion_fields(data: dict) -> dict:
+    """``_completion_json``'s inverse (routes back to an array of their dtype)."""
+    routes = data.get("routes")
+    if isinstance(routes, dict):
+        data = {**data, "routes": np.asarray(routes["ids"], routes["dtype"])}
+    return data
 
 
 def check_lag(rollouts: Rollouts, trainer_version: int, max_staleness: int) -> int:

@@ -326,6 +326,9 @@ class JaxSampler:
         this sampler computed (``Completion.routes``, recorded in prefill and decode); None
         (default) records them for a MoE model and not for a dense one. Not recorded with a
         thinking budget (its continuation call re-reads the head: those rollouts carry None).
+      compute_dtype: the sampler's compute dtype (forward and KV cache) when not the model's:
+        e.g. a bfloat16 sampler for a float32 trainer, as GPU RL stacks run, the source of the
+        sampler-trainer mismatch that routing replay addresses (docs/experiments).
     """
 
     def __init__(
@@ -340,6 +343,7 @@ class JaxSampler:
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         logprobs_mode: sample_ops.LogprobsMode = "processed",
         record_routes: bool | None = None,
+        compute_dtype: str | None = None,
     ):
         sample_ops.check_logprobs_mode(logprobs_mode)
         for name, bs in (
@@ -353,6 +357,8 @@ class JaxSampler:
             raise TypeError(f"model must be a Qwen2ForCausalLM, got {type(model).__name__}")
         cfg = model.config
         mesh = model.mesh if mesh is None else mesh
+        if compute_dtype is not None:
+            cfg = dataclasses.replace(cfg, dtype=compute_dtype)
         if record_routes and not cfg.is_moe:
             raise ValueError("record_routes (routing replay) needs a MoE model (qwen3_moe)")
         self.record_routes = cfg.is_moe if record_routes is None else bool(record_routes)

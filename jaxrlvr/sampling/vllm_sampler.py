@@ -173,9 +173,14 @@ def parse_completion_response(
     n: int,
     want_logprobs: bool,
     weight_version: int | None = None,
+    prompt_len: int | None = None,
 ) -> list[base.Completion]:
     """Turns one ``/v1/completions`` response for a single prompt into `n` completions, each
     stamped with ``weight_version`` (the server's weights while the request ran).
+
+    MoE routes (a server started with ``--enable-return-routed-experts``, vLLM's documented
+    format): the response's ``prompt_routed_experts`` [prompt_len, L, k] and each choice's
+    ``routed_experts`` [gen_len, L, k] become ``Completion.routes`` (``routes_from_response``).
 
     Raises:
       _Retryable: when vLLM aborted a choice (e.g. a pause in abort mode).
@@ -194,6 +199,9 @@ def parse_completion_response(
         if reason not in base.FINISH_REASONS:
             raise VLLMError(f"vLLM returned finish_reason={reason!r}, expected stop or length")
         ids = c.get("token_ids")
+        routes = routes_from_response(
+            body.get("prompt_routed_experts"), c.get("routed_experts"), prompt_len, ids
+        )
         if ids is None:
             raise VLLMError("vLLM response has no token_ids (server too old for return_token_ids?)")
         logprobs: list[float] = []
@@ -211,9 +219,34 @@ def parse_completion_response(
                 text=c.get("text", ""),
                 finish_reason=reason,
                 weight_version=weight_version,
+                routes=routes,
             )
         )
     return out
+
+
+def routes_from_response(prompt_routes, gen_routes, prompt_len, token_ids):
+    """``Completion.routes`` [P + C - 1, L, k] int16 from a response's routed experts, or None
+    when the server sent none. The prompt's part is -1 when only the completion's came back
+    (``prompt_len`` tokens); the result covers the input tokens of [prompt][completion]."""
+    if gen_routes is None and prompt_routes is None:
+        return None
+    gen = None if gen_routes is None else np.asarray(gen_routes, np.int16)
+    head = None if prompt_routes is None else np.asarray(prompt_routes, np.int16)
+    like = gen if gen is not None and gen.ndim == 3 else head
+    if like is None or like.ndim != 3:
+        raise VLLMError("vLLM routed experts are not [tokens, layers, top_k] arrays")
+    n_prompt = head.shape[0] if head is not None else prompt_len
+    if n_prompt is None:
+        raise VLLMError("vLLM returned routed_experts without prompt_routed_experts")
+    tail = like.shape[1:]
+    if head is None:
+        head = np.full((n_prompt, *tail), -1, np.int16)
+    if gen is None or gen.ndim != 3:
+        gen = np.full((0, *tail), -1, np.int16)
+    c = len(token_ids or ())
+    gen = np.concatenate([gen, np.full((max(c - gen.shape[0], 0), *tail), -1, np.int16)])
+    return np.concatenate([head, gen[:c]])[: n_prompt + c - 1]
 
 
 class VLLMSampler:
@@ -414,7 +447,12 @@ class VLLMSampler:
             f"completion for prompt {prompt_index}",
             lambda model: completion_request(model, prompt, n, params, seed),
             lambda body, version: parse_completion_response(
-                body, prompt_index, n, params.logprobs, weight_version=version
+                body,
+                prompt_index,
+                n,
+                params.logprobs,
+                weight_version=version,
+                prompt_len=len(prompt),
             ),
         )
 
