@@ -41,9 +41,16 @@ def completions(lm):
     return sampler.generate(PROMPTS, N, params)
 
 
+@jax.jit
+def _live_ids(params, ids):
+    graphdef = nnx.graphdef(M.CausalLM(CFG, rngs=nnx.Rngs(0)))
+    _, _, router = nnx.merge(graphdef, params).backbone(ids, with_router=True)
+    return router.expert_ids
+
+
 def _live_routes(lm, ids):
-    _, _, router = lm.backbone(jnp.asarray([ids]), with_router=True)
-    return np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))[0]
+    ids_lbtk = _live_ids(nnx.state(lm, nnx.Param), jnp.asarray([ids]))
+    return np.transpose(np.asarray(ids_lbtk), (1, 2, 0, 3))[0]
 
 
 def test_sampler_routes_equal_one_forward(lm, completions):
@@ -138,6 +145,80 @@ def test_replay_gradient_reaches_router(lm, completions):
         logp, _, _ = engine.token_logprobs(model, batch)
         return jnp.sum(logp * batch.attention_mask)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     router_grad = grads["model"]["layers"]["mlp"]["gate"]["kernel"].get_value()
     assert float(jnp.max(jnp.abs(router_grad))) > 1e-6
+
+
+def test_routes_survive_the_json_of_batches_in_flight(completions):
+    """Asynchronous rollouts checkpoint their pending batches as JSON: routes come back equal,
+    in their dtype."""
+    import json
+
+    from jaxrlvr.data import loading
+    from jaxrlvr.phases import producer
+
+    r = producer.Rollouts(
+        step=3,
+        problems=[loading.Problem(id="p0", question="q", answer="a")],
+        prompts=PROMPTS,
+        completions=completions,
+        metrics={},
+    )
+    back = producer.Rollouts.from_json(json.loads(json.dumps(r.to_json())))
+    for a, b in zip(completions, back.completions):
+        assert b.routes.dtype == a.routes.dtype
+        np.testing.assert_array_equal(a.routes, b.routes)
+
+
+def test_vllm_routes_from_the_documented_response():
+    """vLLM's documented format (``--enable-return-routed-experts``): the response's
+    ``prompt_routed_experts`` [prompt_len, L, k], each choice's ``routed_experts`` [gen_len, L, k];
+    the completion's routes cover the input tokens of [prompt][completion]."""
+    from jaxrlvr.sampling import vllm_sampler
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 8, (4, 3, 2)).tolist()
+    gens = [rng.integers(0, 8, (n, 3, 2)).tolist() for n in (3, 1)]
+    body = {
+        "prompt_routed_experts": prompt,
+        "choices": [
+            {
+                "index": i,
+                "finish_reason": "stop",
+                "token_ids": list(range(len(g))),
+                "text": "",
+                "routed_experts": g,
+            }
+            for i, g in enumerate(gens)
+        ],
+    }
+    out = vllm_sampler.parse_completion_response(body, 0, 2, False, prompt_len=4)
+    for c, g in zip(out, gens):
+        want = np.concatenate([np.asarray(prompt), np.asarray(g)])[: 4 + len(g) - 1]
+        assert c.routes.dtype == np.int16
+        np.testing.assert_array_equal(c.routes, want)
+    del body["prompt_routed_experts"]  # the completion's only: the prompt's part is unknown
+    c = vllm_sampler.parse_completion_response(body, 0, 2, False, prompt_len=4)[0]
+    assert (c.routes[:4] == -1).all() and (c.routes[4:] == np.asarray(gens[0])[:2]).all()
+    plain = {k: v for k, v in body["choices"][0].items() if k != "routed_experts"}
+    assert (
+        vllm_sampler.parse_completion_response({"choices": [plain]}, 0, 1, False)[0].routes is None
+    )
+
+
+def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import preflight
+
+    cfg = config_lib.load_config(
+        "configs/demo_moe.yaml",
+        [
+            f"run.out_dir={tmp_path}/run",
+            "rl.routing_replay=r3",
+            "sampler.kind=vllm",
+            "sampler.vllm_device=cpu",
+        ],
+    )
+    with pytest.raises(preflight.PreflightError, match="routing_replay=r3.*CPU"):
+        preflight.check_routing_replay(cfg)
