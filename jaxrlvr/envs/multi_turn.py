@@ -44,6 +44,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from jaxrlvr.envs import base as env_base
 from jaxrlvr.sampling import base
 
@@ -116,6 +118,28 @@ class _Rollout:
     env_reward: float = 0.0
     end: str | None = None
     truncated: bool = False
+    routes: list = dataclasses.field(default_factory=list)  # MoE routes, in token order
+    covered: int = 0  # input tokens of [prompt][ids] that ``routes`` covers
+
+    def add_routes(self, turn_routes, context: int, new: int) -> None:
+        """A turn's routes (``Completion.routes`` of its ``context`` prompt tokens and ``new``
+        kept tokens, or None): the part past what earlier turns covered, so each token keeps the
+        routes of the first forward that read it (an environment token: the prefill of the
+        next turn; the trajectory's tokens are that turn's prompt, no re-tokenisation)."""
+        end = context + new - 1
+        if turn_routes is not None and end > self.covered:
+            self.routes.append(np.asarray(turn_routes)[self.covered : end])
+            self.covered = end
+
+    def all_routes(self, prompt_len: int):
+        """[prompt_len + len(ids) - 1, L, k] routes, -1 where no turn recorded any; None when
+        the sampler recorded none."""
+        if not self.routes:
+            return None
+        r = np.concatenate(self.routes)
+        need = prompt_len + len(self.ids) - 1
+        pad = np.full((max(need - len(r), 0), *r.shape[1:]), -1, r.dtype)
+        return np.concatenate([r, pad])[:need]
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, forced: bool):
         self.ids.extend(int(t) for t in ids)
@@ -235,6 +259,7 @@ class MultiTurnSampler:
                 if cut:
                     ids, lps = ids[:room], (lps[:room] if lps is not None else None)
                 start = len(r.ids)
+                r.add_routes(c.routes, len(prompts[r.prompt_index]) + start, len(ids))
                 r.append(ids, lps, forced=False)
                 r.spans.append((start, len(r.ids)))
                 if cut or (c.finish_reason == "length" and len(r.ids) >= lim.max_total_tokens):
@@ -285,6 +310,7 @@ class MultiTurnSampler:
                 env_reward=r.env_reward,
                 end_reason=r.end or "done",
                 turn_spans=tuple(r.spans),
+                routes=r.all_routes(len(prompts[r.prompt_index])),
             )
             for r in rollouts
         ]

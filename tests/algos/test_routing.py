@@ -1,6 +1,8 @@
 """MoE routing replay (``algos.routing``): routes recorded by the JaxSampler, carried through
 packing, shared prompts and microbatches as ``Batch.routes``, replayed in the forward."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,7 @@ def _by_sequence(packed, logp, completions):
     return np.concatenate(out)
 
 
+@pytest.mark.slow
 def test_forced_routes_exact_under_packing_shared_prompts_and_microbatches(lm, completions):
     routes = _other_routes(completions)
     padded, batch = _rows(completions, routes)
@@ -131,6 +134,7 @@ def test_forced_routes_exact_under_packing_shared_prompts_and_microbatches(lm, c
         np.testing.assert_allclose(got, ref, atol=1e-5, err_msg=str(kw))
 
 
+@pytest.mark.slow
 def test_replay_gradient_reaches_router(lm, completions):
     """Under replay the router's gradient is that of the live-gate reference: the gate weights
     recomputed from the live softmax at the forced experts (a NumPy-free reference: the dense
@@ -222,3 +226,56 @@ def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
     )
     with pytest.raises(preflight.PreflightError, match="routing_replay=r3.*CPU"):
         preflight.check_routing_replay(cfg)
+
+
+class _TwoSteps:
+    """An environment that answers twice with an observation, then ends the episode."""
+
+    stop = ()
+
+    def __init__(self):
+        self.k = 0
+
+    def reset(self, prompt, problem=None):
+        return None
+
+    def step(self, action):
+        from jaxrlvr import envs
+
+        self.k += 1
+        return envs.EnvStep(observation=f" ok{self.k} ", done=self.k >= 3, info={})
+
+    def close(self):
+        pass
+
+
+def test_multi_turn_routes_align_with_one_forward_over_the_trajectory():
+    """Each turn's routes continue where the last turn's stopped (environment tokens take the
+    next turn's prefill): the trajectory's routes equal a single forward's over prompt +
+    trajectory (float32, one sampler)."""
+    from jaxrlvr import envs
+    from jaxrlvr.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.build_char_tokenizer()
+    cfg = dataclasses.replace(CFG, vocab_size=len(tok))
+    lm = M.CausalLM(cfg, rngs=nnx.Rngs(1))
+    sampler = jax_sampler.JaxSampler(lm, tok, eos_token_ids=[])
+    multi = envs.MultiTurnSampler(
+        sampler,
+        tok,
+        _TwoSteps,
+        envs.TurnLimits(max_turns=4, max_tokens_per_turn=4, max_total_tokens=40),
+    )
+    prompt = tok("1+2=", add_special_tokens=False)["input_ids"]
+    # Half the vocabulary ends a model turn, so the rollout reaches the environment.
+    stops = tuple(range(3, len(tok), 2))
+    params = base.SamplingParams(
+        max_tokens=4, temperature=1.0, seed=0, logprobs=True, stop_token_ids=stops
+    )
+    (t,) = multi.generate([prompt], 1, params)
+    assert t.turns >= 2 and any(t.forced)
+    full = prompt + t.token_ids
+    assert t.routes.shape == (len(full) - 1, cfg.num_hidden_layers, 2)
+    _, _, router = lm.backbone(jnp.asarray([full[:-1]]), with_router=True)
+    live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))[0]
+    np.testing.assert_array_equal(t.routes, live)
