@@ -78,6 +78,7 @@ def assemble(
         row_block = step_lib.process_row_block(mesh)
     else:
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
+    teachers = load_teachers(cfg, mesh, tokenizer, model.config.vocab_size, train_problems)
     grader = base.Grader(*builders.build_grader(cfg))
     try:
         sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
@@ -103,5 +104,37 @@ def assemble(
         row_block=row_block,
         grader=grader,
         sampler=sampler,
+        teachers=teachers if train else None,
     )
     return ctx, params
+
+
+def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int, problems):
+    """On-policy distillation's ``TeacherRegistry`` (``rl.algo: distill``; None otherwise):
+    each distinct source of ``rl.distill`` loaded once (a folder on ``mesh``, or a vLLM URL),
+    then checked against the student (tokenizer, vocabulary) and ``problems``' domains, one
+    line per refusal (``teachers.TeacherError``), before any step compiles."""
+    if cfg.rl.algo != "distill":
+        return None
+    from jaxrlvr import teachers as teachers_lib
+
+    d = cfg.rl.distill
+    loaded: dict[str, teachers_lib.Teacher] = {}
+    for source in dict.fromkeys(d.sources.values()):
+        kwargs = (
+            {}
+            if source.startswith(("http://", "https://"))
+            else {
+                "mesh": mesh,
+                "dtype": d.teacher_dtype,
+                "chunk_size": cfg.rl.logprob_chunk_size,
+            }
+        )
+        loaded[source] = teachers_lib.load_teacher(source, **kwargs)
+    registry = teachers_lib.TeacherRegistry(
+        {domain: loaded[src] for domain, src in d.sources.items()},
+        default="default" if d.teacher is not None else None,
+    )
+    domains = [getattr(p, "domain", None) or "default" for p in problems]
+    registry.check(domains, student_vocab_size=vocab_size, student_tokenizer=tokenizer)
+    return registry

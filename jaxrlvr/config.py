@@ -309,6 +309,41 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillSection:
+    """On-policy distillation (``rl.algo: distill``; ``algos.distill``, docs/distillation.md).
+
+    The per-token advantage on the student's sampled tokens is
+    -kl_coef * (log p_student - log p_teacher) + reward_coef * A_reward (GRPO's group advantage).
+    ``teacher``: the default teacher, a checkpoint / Hugging Face folder (a local JAX teacher,
+    loaded once on the run's mesh in ``teacher_dtype``) or a vLLM server URL (``http(s)://``);
+    ``teachers``: teachers by a problem's domain (domain -> folder or URL; problems without a
+    domain of their own are domain "default"). A problem whose domain has no teacher is refused
+    before any compute unless ``teacher`` is set.
+    """
+
+    kl_coef: float = 1.0
+    reward_coef: float = 0.0
+    teacher: str | None = None
+    teachers: dict[str, str] = dataclasses.field(default_factory=dict)
+    teacher_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.kl_coef >= 0 or not self.reward_coef >= 0:
+            raise ValueError(
+                f"rl.distill: kl_coef={self.kl_coef!r} and reward_coef={self.reward_coef!r} "
+                "must be >= 0"
+            )
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Domain -> teacher source, the default teacher under "default"."""
+        out = dict(self.teachers)
+        if self.teacher is not None:
+            out["default"] = self.teacher
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RLSection:
     """The RL phase: algorithm, batch shape, estimators and the field's data-side options.
 
@@ -362,7 +397,9 @@ class RLSection:
 
     # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
     # (``PrefSection``); it reads steps, microbatches, logprob_chunk_size here.
-    algo: Literal["grpo", "ppo", "expert_iteration", "dpo", "ipo", "simpo", "orpo", "none"] = "grpo"
+    algo: Literal[
+        "grpo", "ppo", "expert_iteration", "distill", "dpo", "ipo", "simpo", "orpo", "none"
+    ] = "grpo"
     steps: int = 100
     prompts_per_step: int = 32
     group_size: int = 8
@@ -381,6 +418,8 @@ class RLSection:
     # its own, copied from the policy when the RL phase starts, with the policy's optimiser
     # settings.
     ppo: ppo_lib.PPOConfig = dataclasses.field(default_factory=ppo_lib.PPOConfig)
+    # On-policy distillation's coefficients and teachers (``rl.algo: distill``).
+    distill: DistillSection = dataclasses.field(default_factory=DistillSection)
     drop_zero_variance_groups: bool = False
     difficulty_filter: bool = False
     difficulty_filter_k: int = 4
@@ -430,7 +469,12 @@ class RLSection:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be positive")
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
             raise ValueError(f"rl.max_staleness={self.max_staleness!r}: expected an int >= 0")
-        if self.max_staleness > 0 and self.algo not in ("grpo", "ppo", "expert_iteration"):
+        if self.max_staleness > 0 and self.algo not in (
+            "grpo",
+            "ppo",
+            "expert_iteration",
+            "distill",
+        ):
             raise ValueError(
                 f"rl.max_staleness={self.max_staleness}: asynchronous rollouts need an online "
                 f"algorithm (grpo, ppo, expert_iteration), not rl.algo={self.algo!r}"
@@ -473,6 +517,11 @@ class RLSection:
                     f"{key} is less than one row of rl.max_tokens_per_row="
                     f"{self.max_tokens_per_row} positions"
                 )
+        if self.algo == "distill" and not self.distill.sources:
+            raise ValueError(
+                "rl.algo=distill needs a teacher: rl.distill.teacher (a folder or a vLLM URL) "
+                "or rl.distill.teachers (domain -> folder or URL)"
+            )
         if self.algo == "grpo" and self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt"

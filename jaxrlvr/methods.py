@@ -16,7 +16,7 @@ from flax import nnx
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import grpo, ppo, preference, sft
+from jaxrlvr.algos import distill, grpo, ppo, preference, sft
 from jaxrlvr.algos import step as step_lib
 
 
@@ -55,6 +55,23 @@ def make_algorithm(
             graphdef,
             cfg.optim,
             grpo_cfg,
+            mesh=mesh,
+            epochs_per_batch=epochs,
+            rollouts_may_be_stale=rl.max_staleness > 0,
+        )
+    if rl.algo == "distill":
+        distill_cfg = distill.DistillUpdateConfig(
+            loss=rl.policy_loss,
+            distill=distill.DistillConfig(
+                kl_coef=rl.distill.kl_coef, reward_coef=rl.distill.reward_coef
+            ),
+            num_microbatches=microbatches,
+            logprob_chunk_size=rl.logprob_chunk_size,
+        )
+        return distill.distill_algorithm(
+            graphdef,
+            cfg.optim,
+            distill_cfg,
             mesh=mesh,
             epochs_per_batch=epochs,
             rollouts_may_be_stale=rl.max_staleness > 0,

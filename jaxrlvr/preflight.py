@@ -497,6 +497,28 @@ def check_routing_replay(cfg: config_lib.TrainConfig) -> None:
         )
 
 
+def check_teachers(cfg: config_lib.TrainConfig) -> None:
+    """``rl.algo: distill``: each teacher of ``rl.distill`` is a model folder (config.json and
+    safetensors) or a vLLM server that answers ``/health``. Its tokenizer, vocabulary and the
+    problems' domains are checked once it is loaded (``assembly.load_teachers``)."""
+    if cfg.rl.algo != "distill":
+        return
+    d = cfg.rl.distill
+    for domain, source in d.sources.items():
+        key = (
+            "rl.distill.teacher"
+            if domain == "default" and d.teacher
+            else (f"rl.distill.teachers.{domain}")
+        )
+        if source.startswith(("http://", "https://")):
+            try:
+                check_vllm_url(source)
+            except PreflightError as e:
+                raise PreflightError(str(e).replace("sampler.vllm_urls", key)) from None
+        else:
+            check_model_dir(source, key)
+
+
 def check(
     cfg: config_lib.TrainConfig,
     *,
@@ -534,6 +556,7 @@ def check(
     if mode == "train":
         check_run_dir(cfg.run.out_dir, resume=resume, overwrite=overwrite)
         check_routing_replay(cfg)
+        check_teachers(cfg)
     if checkpoint is not None:
         check_checkpoint(checkpoint, "--checkpoint" if mode == "eval" else "export RUN_DIR", step)
     elif mode == "export":

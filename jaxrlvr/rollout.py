@@ -474,6 +474,28 @@ def group_advantages(
     return adv.astype(np.float32), zero_var
 
 
+def completion_values(
+    packed: PackedBatch, completions: Sequence[Sequence[int]], values: Sequence[Sequence[float]]
+) -> np.ndarray:
+    """Per completion token ``values`` (e.g. a teacher's log-probs) as float32 [B, T] at the
+    label positions where ``pack`` put ``sampler_logps`` (padded rows, packed segments, shared
+    prompts alike); 0 elsewhere. ``completions`` are the ones ``packed`` holds, in its order."""
+    out = np.zeros(packed.shape, np.float32)
+    for i, c in enumerate(completions):
+        n = len(c)
+        v = np.asarray(values[i], np.float32)
+        if v.shape != (n,):
+            raise ValueError(f"completion {i}: {v.shape[0]} values for {n} tokens")
+        if not n:
+            continue
+        if packed.placement is None:  # row i; its first label follows the prompt
+            row, end = i, int(np.flatnonzero(packed.attention_mask[i]).max()) + 1
+        else:
+            row, _, end = (int(x) for x in packed.placement[i])
+        out[row, end - n : end] = v
+    return out
+
+
 def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batch:
     """A host ``Batch`` (NumPy) from packed rows plus per-sequence [N] / per-token ``fields``
     (in the packed layout, [N] fields are spread over their sequences' tokens)."""
@@ -527,6 +549,7 @@ def shape(
     *,
     pad_id: int,
     max_length: int | None = None,
+    teacher_logps: Sequence[Sequence[float]] | None = None,
 ) -> tuple[batch_lib.Batch, dict[str, float]]:
     """One step's rollouts as a host ``Batch`` with every rollout field an algorithm may read
     (``advantages``, ``rewards`` (shaped), ``correct``, ``sampler_logp``), and their metrics.
@@ -535,6 +558,8 @@ def shape(
       prompts: P prompts' token ids; completions: P x G completions, prompt-major;
       scores: the verifier's dict per completion (``reward``, ``answer_reward``,
         ``format_reward``).
+      teacher_logps: per completion token, a teacher's log-prob (on-policy distillation):
+        ``teacher_logp``, laid out like ``sampler_logp`` (``completion_values``).
     """
     g = cfg.group_size
     raw = np.asarray([s["reward"] for s in scores], np.float32)
@@ -576,6 +601,11 @@ def shape(
         correct=correct,
         sampler_logp=packed.sampler_logp,
         routes=packed.routes,
+        teacher_logp=(
+            None
+            if teacher_logps is None
+            else completion_values(packed, [c.token_ids for c in completions], teacher_logps)
+        ),
     )
     metrics.update(
         {

@@ -90,6 +90,8 @@ class RunContext:
     row_block: tuple[int, int]
     grader: Grader
     sampler: Any
+    # On-policy distillation's ``teachers.TeacherRegistry`` (``rl.algo: distill``), else None.
+    teachers: Any = None
 
     @property
     def pad_id(self) -> int:

@@ -115,8 +115,9 @@ class Learner:
             )
         return self._compiled[microbatches]
 
-    def shape(self, prompt_ids, completions, scores, rl_step: int):
-        """(host batch, shaping metrics) of the step's rollouts (``rollout.shape``)."""
+    def shape(self, prompt_ids, completions, scores, rl_step: int, teacher_logps=None):
+        """(host batch, shaping metrics) of the step's rollouts (``rollout.shape``; with
+        ``teacher_logps``, on-policy distillation's ``teacher_logp`` field)."""
         return rollout.shape(
             prompt_ids,
             completions,
@@ -124,6 +125,7 @@ class Learner:
             shaping_config(self.rl, self.max_tokens, rl_step, self.shards),
             pad_id=self.pad_id,
             max_length=self.max_length,
+            teacher_logps=teacher_logps,
         )
 
     def fit_budget(self, rollouts):

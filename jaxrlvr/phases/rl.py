@@ -124,7 +124,9 @@ class RLPhase(base.RLStepsPhase):
         t = self.position
         graded = self.source.rollouts(t, self.total_steps, timer)
         with timer.phase("shape"):
-            rollouts, out = self.learner.shape(graded.prompts, graded.completions, graded.scores, t)
+            rollouts, out = self.learner.shape(
+                graded.prompts, graded.completions, graded.scores, t, graded.teacher_logps
+            )
             rollouts, microbatches = self.learner.fit_budget(rollouts)
         out["tokens/microbatches"] = microbatches
         if self.cfg.rl.max_tokens_per_microbatch is not None:  # the rows fit_budget chose

@@ -45,6 +45,8 @@ class GradedRollouts:
       version: the weight version that sampled the batch when the learner needs its behaviour
         log-probs (stale batches with ``rl.behaviour_logprobs``), else None.
       generate_s: seconds the asynchronous generation took (None: sampled in the step).
+      teacher_logps: with teachers (``rl.algo: distill``), each completion token's log-prob
+        under its problem's teacher (``teacher_scores``), else None.
     """
 
     prompts: list[list[int]]
@@ -53,6 +55,7 @@ class GradedRollouts:
     metrics: dict[str, float]
     version: int | None = None
     generate_s: float | None = None
+    teacher_logps: list[np.ndarray] | None = None
 
 
 class RolloutSource:
@@ -215,8 +218,47 @@ class RolloutSource:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        metrics = {**sample_m, **grading_stats.as_metrics(), **m}
-        return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s)
+        teacher_logps, teacher_m = None, {}
+        if self.ctx.teachers is not None:
+            with timer.phase("teacher"):
+                teacher_logps, teacher_m = self.teacher_scores(problems, prompt_ids, completions)
+        metrics = {**sample_m, **grading_stats.as_metrics(), **m, **teacher_m}
+        return GradedRollouts(
+            prompt_ids, completions, scores, metrics, version, generate_s, teacher_logps
+        )
+
+    def teacher_scores(self, problems, prompt_ids, completions):
+        """(each completion's log-probs under its problem's teacher, metrics): the run's
+        ``TeacherRegistry`` (local or vLLM teachers) on the host, each teacher asked once. A
+        problem's domain is its ``domain`` attribute, or "default". Metrics per domain over the
+        sampled tokens (environment tokens of multi-turn trajectories excluded):
+        ``distill/<domain>/reverse_kl`` (k1: mean of log p_sampler - log p_teacher) and
+        ``distill/<domain>/teacher_top1_lb``, the share of tokens whose teacher probability
+        exceeds 1/2 (certainly the teacher's argmax: a lower bound of the teacher/student
+        agreement; without the teacher's top-k the exact agreement is not at hand)."""
+        g = self.rl.group_size
+        domains = [
+            getattr(problems[i // g], "domain", None) or "default" for i in range(len(completions))
+        ]
+        prompts_n = [prompt_ids[i // g] for i in range(len(completions))]
+        tokens = [c.token_ids for c in completions]
+        logps = self.ctx.teachers.completion_logprobs(prompts_n, tokens, domains)
+        sums: dict[str, list[float]] = {}
+        for d, c, lp in zip(domains, completions, logps):
+            forced = getattr(c, "forced", None) or [False] * len(c.token_ids)
+            keep = ~np.asarray(forced, bool) if c.token_ids else np.zeros(0, bool)
+            if not c.logprobs or not keep.any():
+                continue
+            diff = (np.asarray(c.logprobs, np.float64) - lp)[keep]
+            acc = sums.setdefault(d, [0.0, 0.0, 0.0])
+            acc[0] += float(diff.sum())
+            acc[1] += float((lp[keep] > np.log(0.5)).sum())
+            acc[2] += float(keep.sum())
+        metrics = {}
+        for d, (kl, top1, n) in sums.items():
+            metrics[f"distill/{d}/reverse_kl"] = kl / n
+            metrics[f"distill/{d}/teacher_top1_lb"] = top1 / n
+        return logps, metrics
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
         """The one place the trainer waits for rollouts: step t + k's batch must be finished by
