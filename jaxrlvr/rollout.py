@@ -126,6 +126,27 @@ class PackedBatch:
             out[row, start:end] = value
         return out
 
+    @classmethod
+    def empty(cls, rows: int, length: int, pad_id: int, *, packed: bool = False) -> PackedBatch:
+        """``rows`` x ``length`` of padding with nothing in the loss, for the packers to fill in
+        place; ``packed``: with zero ``segment_ids`` and ``positions`` too. ``num_tokens`` is
+        set by ``counted`` once the loss mask is written."""
+        shape = (rows, length)
+        return cls(
+            input_ids=np.full(shape, pad_id, np.int32),
+            attention_mask=np.zeros(shape, np.int32),
+            labels=np.full(shape, pad_id, np.int32),
+            loss_mask=np.zeros(shape, np.float32),
+            sampler_logp=np.zeros(shape, np.float32),
+            num_tokens=0,
+            segment_ids=np.zeros(shape, np.int32) if packed else None,
+            positions=np.zeros(shape, np.int32) if packed else None,
+        )
+
+    def counted(self, **fields) -> PackedBatch:
+        """The filled batch with its ``num_tokens`` (the loss mask's sum) and ``fields`` set."""
+        return dataclasses.replace(self, num_tokens=int(self.loss_mask.sum()), **fields)
+
 
 def _write_completion(
     loss_mask, sampler_logp, row, first, i, length, loss_weights, sampler_logps
@@ -227,11 +248,7 @@ def pack(
         length = length_bucket(longest, maximum=max_length) - 1
     if longest - 1 > length:
         raise ValueError(f"pack: a row of {longest} tokens does not fit length T={length} + 1")
-    input_ids = np.full((batch_size, length), pad_id, np.int32)
-    labels = np.full((batch_size, length), pad_id, np.int32)
-    attention = np.zeros((batch_size, length), np.int32)
-    loss_mask = np.zeros((batch_size, length), np.float32)
-    sampler_logp = np.zeros((batch_size, length), np.float32)
+    out = PackedBatch.empty(batch_size, length, pad_id)
     route_buf = _route_buffer(routes, batch_size, length)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         full = np.asarray(list(p) + list(c), np.int32)
@@ -239,20 +256,14 @@ def pack(
         if n <= 0:
             continue
         _write_routes(route_buf, routes, i, i, 0, 0, n)
-        input_ids[i, :n] = full[:-1]
-        labels[i, :n] = full[1:]
-        attention[i, :n] = 1
+        out.input_ids[i, :n] = full[:-1]
+        out.labels[i, :n] = full[1:]
+        out.attention_mask[i, :n] = 1
         start = len(p) - 1  # label position of the first completion token
-        _write_completion(loss_mask, sampler_logp, i, start, i, len(c), loss_weights, sampler_logps)
-    return PackedBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        labels=labels,
-        loss_mask=loss_mask,
-        sampler_logp=sampler_logp,
-        num_tokens=int(loss_mask.sum()),
-        routes=route_buf,
-    )
+        _write_completion(
+            out.loss_mask, out.sampler_logp, i, start, i, len(c), loss_weights, sampler_logps
+        )
+    return out.counted(routes=route_buf)
 
 
 class _Span(NamedTuple):
@@ -360,13 +371,10 @@ def _pack_segments(
     b = row_bucket(rows, row_multiple) if batch_size is None else batch_size
     if b < rows:
         raise ValueError(f"pack: batch_size={b} is smaller than the {rows} packed rows needed")
-    input_ids = np.full((b, length), pad_id, np.int32)
-    labels = np.full((b, length), pad_id, np.int32)
-    attention = np.zeros((b, length), np.int32)
-    loss_mask = np.zeros((b, length), np.float32)
-    sampler_logp = np.zeros((b, length), np.float32)
-    segment_ids = np.zeros((b, length), np.int32)
-    positions = np.zeros((b, length), np.int32)
+    out = PackedBatch.empty(b, length, pad_id, packed=True)
+    input_ids, labels, attention = out.input_ids, out.labels, out.attention_mask
+    loss_mask, sampler_logp = out.loss_mask, out.sampler_logp
+    segment_ids, positions = out.segment_ids, out.positions
     groups = np.zeros((b, length), np.int32) if share_prompts else None
     route_buf = _route_buffer(routes, b, length)
     placement = np.zeros((len(completions), 3), np.int64)
@@ -413,19 +421,7 @@ def _pack_segments(
                 sampler_logps,
             )
             pos = end
-    return PackedBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        labels=labels,
-        loss_mask=loss_mask,
-        sampler_logp=sampler_logp,
-        num_tokens=int(loss_mask.sum()),
-        segment_ids=segment_ids,
-        positions=positions,
-        placement=placement,
-        prompt_group_ids=groups,
-        routes=route_buf,
-    )
+    return out.counted(placement=placement, prompt_group_ids=groups, routes=route_buf)
 
 
 def completion_weights(c: Completion, *, mask_forced: bool, mask_truncated: bool) -> list[float]:
