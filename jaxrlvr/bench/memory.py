@@ -28,7 +28,11 @@ are small).
 ``--model`` picks the architecture (abstract parameters from the checkpoints' config.json
 shapes, ``ModelConfig`` presets): ``qwen2.5-math-1.5b`` (default), ``qwen3-1.7b`` (tied) or
 ``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; its experts stacked ``[E, ...]`` and sharded
-over ``fsdp`` by the rules table, the MoE kernel ``moe_impl="ragged_dot"`` as on GPU and TPU).
+over ``fsdp`` by the rules table, the MoE kernel ``--moe-impl``, default ``ragged_dot`` as on GPU
+and TPU). XLA:CPU lowers ``ragged_dot`` densely (every row against every expert of the group's
+shard: [E, slots, D]-sized temporaries that the accelerators' grouped GEMMs do not allocate), so
+the MoE's CPU temporaries overstate a TPU's; ``--moe-impl sorted_blocks`` (gathered weights per
+block of rows) is the CPU kernel's own figure.
 Every record carries the floor: float32 weights + two AdamW moments + one gradient accumulator,
 16 bytes a parameter, divided by the devices (``floor`` in bytes, ``total / floor`` printed).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
@@ -69,7 +73,7 @@ def qwen25_math_1_5b(**overrides):
 MODELS = ("qwen2.5-math-1.5b", "qwen3-1.7b", "qwen3-30b-a3b")
 
 
-def real_model(name: str, **overrides):
+def real_model(name: str, moe_impl: str = "ragged_dot", **overrides):
     """The ``--model`` architecture (``ModelConfig`` presets of the checkpoints' config.json),
     bf16 compute, float32 storage, remat, scanned layers; the MoE on the grouped-matmul kernel
     of the accelerators (``ragged_dot``: the CPU block kernel gathers weights per block)."""
@@ -81,7 +85,7 @@ def real_model(name: str, **overrides):
     if name == "qwen3-1.7b":
         return model_config.ModelConfig.qwen3_1_7b(**{**fields, **overrides})
     if name == "qwen3-30b-a3b":
-        fields["moe_impl"] = "ragged_dot"
+        fields["moe_impl"] = moe_impl
         return model_config.ModelConfig.qwen3_30b_a3b(**{**fields, **overrides})
     raise ValueError(f"--model {name!r}: expected one of {', '.join(MODELS)}")
 
@@ -115,6 +119,7 @@ class Case:
     lora: str = "off"
     lora_rank: int = 16
     model: str = "qwen2.5-math-1.5b"
+    moe_impl: str = "ragged_dot"
 
     @property
     def rows_per_microbatch(self) -> int:
@@ -172,7 +177,9 @@ def measure(case: Case) -> dict:
     from jaxrlvr.algos import step
 
     overrides = model_overrides(case.lora, case.lora_rank)
-    cfg = tiny_model(**overrides) if case.tiny else real_model(case.model, **overrides)
+    cfg = (
+        tiny_model(**overrides) if case.tiny else real_model(case.model, case.moe_impl, **overrides)
+    )
     mesh = model_lib.make_mesh(
         model_lib.MeshConfig(data=1, fsdp=case.fsdp, tensor=1), jax.devices()[: case.fsdp]
     )
@@ -298,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     p.add_argument("--tiny", action="store_true", help="a tiny model at a small shape (seconds)")
     p.add_argument(
+        "--moe-impl",
+        default="ragged_dot",
+        choices=("ragged_dot", "sorted_blocks"),
+        help="the MoE's grouped-matmul kernel (qwen3-30b-a3b)",
+    )
+    p.add_argument(
         "--model", default=MODELS[0], help=f"comma list of architectures: {', '.join(MODELS)}"
     )
     args = p.parse_args(argv)
@@ -327,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         lora=lora,
                         lora_rank=args.lora_rank,
                         model=model,
+                        moe_impl=args.moe_impl,
                     )
                     record = run_case(case, args.timeout)
                     record["case"]["microbatches"] = case.microbatches
