@@ -28,9 +28,11 @@ for the grouped matmuls, chosen by ``impl``:
 and the dispatch benchmark compare against; the model never runs it.
 
 Expert parallelism: expert weights are stacked ``[E, ...]`` with the logical axis ``expert``,
-which ``sharding.LOGICAL_RULES`` maps onto the existing ``fsdp`` mesh axis (see there). The
-dispatch sorts a microbatch's tokens as one set; under a mesh XLA moves tokens and weights as
-the shardings require. A shard_map all-to-all dispatch is future work.
+which ``sharding.LOGICAL_RULES`` maps onto the existing ``fsdp`` mesh axis (see there). On a
+mesh whose batch axes split the rows, each batch shard routes and sorts only its own tokens
+(``decoder._moe_mlp``: ``jax.shard_map`` over the batch axes, the kernels gathered whole as fsdp
+gathers any layer's weights). Token-side expert parallelism (an all-to-all to the devices that
+hold each expert) is future work.
 
 Routing replay (issue 40): ``select_experts`` accepts forced expert ids (a token whose row
 holds a -1 uses its live top-k); the gate weights are always gathered from the live float32
