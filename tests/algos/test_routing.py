@@ -279,3 +279,18 @@ def test_multi_turn_routes_align_with_one_forward_over_the_trajectory():
     _, _, router = lm.backbone(jnp.asarray([full[:-1]]), with_router=True)
     live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))[0]
     np.testing.assert_array_equal(t.routes, live)
+
+
+def test_disagreement_counts_sets_not_order():
+    """Same experts in another order agree; the shares count valid tokens with routes only."""
+    from jaxrlvr.algos import routing
+
+    sampler = np.array([[[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 1], [0, 1]], [[-1, -1], [0, 1]]]])
+    live = np.array([[[[1, 0], [2, 3]], [[4, 6], [6, 7]], [[0, 2], [0, 3]], [[5, 6], [7, 0]]]])
+    valid = np.array([[1, 1, 1, 1]])  # token 3 has no routes: not counted
+    m = routing.disagreement(jnp.asarray(sampler), jnp.asarray(live), jnp.asarray(valid))
+    np.testing.assert_allclose(float(m["routing/layer0/disagree"]), 2 / 3, rtol=1e-6)
+    np.testing.assert_allclose(float(m["routing/layer1/disagree"]), 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(float(m["routing/disagree"]), 0.5, rtol=1e-6)
+    np.testing.assert_allclose(float(m["routing/token_disagree"]), 2 / 3, rtol=1e-6)
+    np.testing.assert_allclose(float(m["routing/covered"]), 3 / 4, rtol=1e-6)
