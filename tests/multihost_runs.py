@@ -11,14 +11,10 @@ import sys
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).parent.parent
+from runs import REPO, TINY_MODEL, final_params  # noqa: F401 - final_params: for the multi-process tests
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
+    *TINY_MODEL,
     "data.synthetic_train_size=64",
     "data.synthetic_eval_size=16",
     "data.shards=2",
@@ -162,19 +158,6 @@ def finish(procs, timeout=900):
     for i, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"process {i} exited {rc}:\n{out[-2000:]}\n{err[-6000:]}"
     return outs
-
-
-def final_params(run_dir):
-    import jax
-
-    from jaxrlvr import checkpoint as checkpoint_lib
-
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
-    step = ckpt.latest_step()
-    params = ckpt.read_arrays(step)["state"]["params"]
-    ckpt.close()
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return step, {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
 def metric_lines(run_dir):

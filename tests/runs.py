@@ -10,12 +10,16 @@ import sys
 REPO = pathlib.Path(__file__).parent.parent
 
 # A tiny run: 1-layer model, a handful of SFT and RL steps, small eval.
-TINY = [
+# The tiny model every subprocess run trains: 1 layer, hidden 32.
+TINY_MODEL = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
     "model.num_hidden_layers=1",
     "model.num_attention_heads=2",
     "model.num_key_value_heads=1",
+]
+TINY = [
+    *TINY_MODEL,
     "data.synthetic_train_size=200",
     "data.synthetic_eval_size=16",
     "sft.batch_size=16",

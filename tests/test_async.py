@@ -10,12 +10,8 @@ The vLLM path is tested in tests/sampling/test_async_vllm.py (it needs the sessi
 """
 
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +19,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import runs
 from jaxrlvr import config as config_lib
 from jaxrlvr import train
 from jaxrlvr.phases import producer
 
-REPO = pathlib.Path(__file__).parent.parent
-
 # A tiny GRPO run without SFT or held-out evaluation (neither touches what is tested here).
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
+    *runs.TINY_MODEL,
     "data.synthetic_train_size=200",
     "data.synthetic_eval_size=16",
     "rl.prompts_per_step=4",
@@ -57,7 +48,7 @@ def _cfg(run_dir, *overrides):
     """In-process runs see the 8 fake devices of tests/conftest.py: the trainer keeps one (the
     demo's 1 x 1 x 1 mesh), the JAX sampler gets a sub-mesh of the other 7."""
     return config_lib.load_config(
-        str(REPO / "configs/demo.yaml"),
+        str(runs.REPO / "configs/demo.yaml"),
         [*TINY, f"run.out_dir={run_dir}", "sampler.jax_devices=7", *overrides],
     )
 
@@ -272,32 +263,8 @@ RESUME_ARGS = [
 ]
 
 
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def _train_cli(run_dir, *extra, wait=True):
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", *RESUME_ARGS, f"run.out_dir={run_dir}"]
-    cmd += list(extra)
-    if not wait:
-        return subprocess.Popen(
-            cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _final_params(run_dir):
-    from jaxrlvr import checkpoint as checkpoint_lib
-
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
-    step = ckpt.latest_step()
-    params = ckpt.read_arrays(step)["state"]["params"]
-    ckpt.close()
-    return step, _host_params(params)
+def _train_cli(run_dir, *extra):
+    runs.jaxrlvr("train", *RESUME_ARGS, f"run.out_dir={run_dir}", *extra)
 
 
 @pytest.mark.slow
@@ -308,22 +275,14 @@ def test_k1_sigkill_and_resume_gives_identical_params(tmp_path):
     ref_dir = tmp_path / "uninterrupted"
     _train_cli(ref_dir)
     run_dir = tmp_path / "killed"
-    proc = _train_cli(run_dir, wait=False)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
+    proc = runs.start_until_lines(["train", *RESUME_ARGS, f"run.out_dir={run_dir}"], run_dir, 3)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     _train_cli(run_dir, "--resume")
 
-    step_a, a = _final_params(ref_dir)
-    step_b, b = _final_params(run_dir)
-    assert step_a == step_b == 5
-    _assert_same(a, b)
+    want, got = runs.final_params(ref_dir), runs.final_params(run_dir)
+    assert want[0] == got[0] == 5
+    runs.assert_same_params(want, got)
     ref, got = _metrics(ref_dir), _metrics(run_dir)
     assert [x["step"] for x in got] == [1, 2, 3, 4, 5]
     for x, y in zip(ref, got):
