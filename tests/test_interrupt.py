@@ -17,10 +17,7 @@ def test_sigterm_sets_the_flag_and_handlers_are_restored():
         assert stop.requested is None and not stop
         os.kill(os.getpid(), signal.SIGTERM)
         # The handler runs in the main thread at the next bytecode boundary.
-        for _ in range(100):
-            if stop:
-                break
-            time.sleep(0.01)
+        _wait_for(lambda: bool(stop))
         assert stop.requested == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -31,7 +28,7 @@ def test_sigint_when_asked_for():
     before = signal.getsignal(signal.SIGINT)
     with interrupt.GracefulStop((signal.SIGTERM, signal.SIGINT)) as stop:
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
+        _wait_for(lambda: stop.requested is not None)
         assert stop.requested == "SIGINT"
     assert signal.getsignal(signal.SIGINT) is before
 
@@ -69,13 +66,24 @@ _LOOP = textwrap.dedent(
 
 
 def _run(mode, signals):
+    """Sends ``signals`` SIGTERMs to the loop; a second one only once the loop has reported the
+    first (its "saved after" line: an event, not a sleep)."""
     proc = subprocess.Popen([sys.executable, "-c", _LOOP, mode], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
-    for _ in range(signals):
+    proc.send_signal(signal.SIGTERM)
+    first = proc.stdout.readline() if signals > 1 else ""
+    for _ in range(signals - 1):
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
     out, _ = proc.communicate(timeout=20)
-    return proc.returncode, out
+    return proc.returncode, first + out
+
+
+def _wait_for(condition, timeout=5.0):
+    """Polls ``condition`` until it holds or ``timeout`` seconds pass (a deadline, not a fixed
+    sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_loop_exits_zero_after_sigterm_in_a_subprocess():
