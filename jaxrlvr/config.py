@@ -224,7 +224,7 @@ class SamplerSection:
     def __post_init__(self):
         from jaxrlvr import placement
         from jaxrlvr.sampling import base as sampling_base
-        from jaxrlvr.sampling import vllm_server
+        from jaxrlvr.sampling import bind
 
         # The sampling parameters the run will use, checked now by the one validation
         # (``SamplingParams``) rather than when the first rollout or evaluation starts.
@@ -243,7 +243,7 @@ class SamplerSection:
             )
         except ValueError as e:
             raise ValueError(f"eval_{e}") from None
-        vllm_server.check_bind_host(
+        bind.check_bind_host(
             self.vllm_host,
             self.vllm_allow_remote_dev_endpoints,
             key="sampler.vllm_host",

@@ -31,7 +31,6 @@ import argparse
 import atexit
 import collections
 import concurrent.futures
-import ipaddress
 import os
 import re
 import signal
@@ -47,6 +46,7 @@ import httpx
 
 from jaxrlvr import placement
 from jaxrlvr.sampling import base as sampling_base
+from jaxrlvr.sampling.bind import UnsafeBindError, check_bind_host, is_loopback  # noqa: F401
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
 SERVED_MODEL_NAME = "jaxrlvr-policy"
@@ -93,54 +93,6 @@ def _stop_all() -> None:
             server.stop(timeout_s=10.0)
         except Exception:
             pass
-
-
-class UnsafeBindError(ValueError):
-    """A dev-mode server was asked to listen on a non-loopback address without consent."""
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (an address or a name) only ever means this machine."""
-    if host in ("", "0.0.0.0", "::"):
-        return False
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
-def check_bind_host(
-    host: str,
-    allow_remote: bool = False,
-    *,
-    key: str = "--host",
-    allow_flag: str = "--allow-remote-dev-endpoints",
-) -> None:
-    """Refuses a non-loopback bind address for a dev-mode vLLM server unless ``allow_remote``.
-
-    Dev mode (``VLLM_SERVER_DEV_MODE=1``, which per-step weight reload needs) serves
-    ``/collective_rpc``, which runs methods on the workers: anyone who can reach the port can run
-    code on this machine. ``key`` and ``allow_flag`` name the option and the consent switch in the
-    one-line message (the CLI's flags by default, shown ``--host 0.0.0.0``; a config key such as
-    ``sampler.vllm_host`` is shown ``sampler.vllm_host='0.0.0.0'``).
-
-    Raises:
-      UnsafeBindError: ``host`` is not loopback and ``allow_remote`` is False.
-    """
-    if allow_remote or is_loopback(host):
-        return
-    where = f"{key} {host}" if key.startswith("-") else f"{key}={host!r}"
-    raise UnsafeBindError(
-        f"{where}: refusing to expose a dev-mode vLLM server beyond this machine: its "
-        "/collective_rpc endpoint runs methods on the workers, so anyone who can reach the port "
-        f"can run code here; bind 127.0.0.1 (and tunnel, e.g. ssh -L) or pass {allow_flag} on "
-        "a trusted network"
-    )
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
