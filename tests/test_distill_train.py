@@ -1,0 +1,137 @@
+"""On-policy distillation end to end (issue 41): ``jaxrlvr train`` with ``rl.algo: distill``
+(configs/distill_demo.yaml) on a tiny model whose teachers are Hugging Face folders written here.
+
+- A student that starts as its teacher's copy: the per-token reverse KL is 0 at step 1 (the JAX
+  sampler's log-probs and the teacher's pass are the same computation), on the host
+  (``distill/default/reverse_kl``) and in the update (``distill/reverse_kl``).
+- A peaked student (embedding scaled up: low entropy) distilled from a near-uniform random
+  teacher: the reverse KL falls over six steps.
+- A problem domain without a teacher, and a teacher folder that does not exist: one line each,
+  before any step.
+"""
+
+import json
+
+import jax
+import pytest
+from flax import nnx
+
+from tests import runs
+
+# The run's data and batch; the students' and teachers' architecture is the folders'.
+RUN = [
+    "data.synthetic_train_size=200",
+    "data.synthetic_eval_size=16",
+    "rl.prompts_per_step=8",
+    "rl.group_size=4",
+    "eval.max_problems=16",
+    "eval.every=0",
+    "reward.num_workers=1",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "sft.steps=0",
+]
+TINY_MODEL = [a for a in runs.TINY if a.startswith("model.")]
+
+
+def _save_model(path, seed: int, embed_scale: float) -> str:
+    """A random tiny model of the demo's family with the char tokenizer, its (tied) embedding
+    scaled by ``embed_scale`` (sharper next-token distributions), as an HF folder."""
+    from jaxrlvr import builders
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import model as model_lib
+
+    cfg = config_lib.load_config(str(runs.REPO / "configs/demo.yaml"), TINY_MODEL)
+    tokenizer = builders.build_tokenizer(cfg.model)
+    mesh = model_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+    graphdef, params = nnx.split(builders.build_model(cfg.model, tokenizer, mesh, seed=seed))
+
+    def scale(path, x):
+        return x * embed_scale if "embed_tokens" in jax.tree_util.keystr(path) else x
+
+    params = jax.tree_util.tree_map_with_path(scale, params)
+    model_lib.save_hf(nnx.merge(graphdef, params), str(path), tokenizer_src=tokenizer)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    return {
+        "plain": _save_model(root / "plain", seed=1, embed_scale=1.0),
+        "peaked": _save_model(root / "peaked", seed=2, embed_scale=6.0),
+    }
+
+
+def _distill(run_dir, student, teacher, *extra, check=True):
+    return runs.jaxrlvr(
+        "train",
+        "configs/distill_demo.yaml",
+        *RUN,
+        f"model.path={student}",
+        f"rl.distill.teacher={teacher}",
+        f"run.out_dir={run_dir}",
+        *extra,
+        check=check,
+    )
+
+
+def _rl_lines(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "distill/reverse_kl" in x]
+
+
+@pytest.mark.slow
+def test_student_as_its_own_teacher_has_zero_reverse_kl(tmp_path, folders):
+    _distill(tmp_path / "self", folders["plain"], folders["plain"], "rl.steps=1")
+    (line,) = _rl_lines(tmp_path / "self")
+    assert abs(line["distill/default/reverse_kl"]) < 1e-5
+    assert abs(line["distill/reverse_kl"]) < 1e-5
+    assert line["distill/teacher_logp"] < -0.1  # a real signal: the tokens are not certain
+
+
+@pytest.mark.slow
+def test_reverse_kl_to_another_teacher_falls(tmp_path, folders):
+    _distill(
+        tmp_path / "other",
+        folders["peaked"],
+        folders["plain"],
+        "rl.steps=6",
+        "optim.learning_rate=1e-2",
+        "optim.warmup_steps=0",
+        "optim.total_steps=6",
+    )
+    lines = _rl_lines(tmp_path / "other")
+    kl = [x["distill/reverse_kl"] for x in lines]
+    assert len(kl) == 6
+    # The host's k1 (sampler log-probs) and the update's (trainer log-probs) agree.
+    for x in lines:
+        assert x["distill/default/reverse_kl"] == pytest.approx(x["distill/reverse_kl"], abs=1e-4)
+    assert kl[0] > 0.5
+    assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
+
+
+def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
+    from jaxrlvr import assembly, builders, preflight, teachers
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import model as model_lib
+
+    def config(*extra):
+        return config_lib.load_config(
+            str(runs.REPO / "configs/distill_demo.yaml"), [*RUN, *TINY_MODEL, *extra]
+        )
+
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(preflight.PreflightError, match=r"^rl\.distill\.teacher=.*nowhere") as e:
+        preflight.check_teachers(config(f"rl.distill.teacher={missing}"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="needs a teacher"):
+        config("rl.distill.teacher=null")
+    # Teachers by domain, none for the synthetic problems' (no domain: "default") and no default.
+    cfg = config("rl.distill.teacher=null", f"rl.distill.teachers={{math: {folders['plain']}}}")
+    tokenizer = builders.build_tokenizer(cfg.model)
+    mesh = model_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+    problems, _ = builders.load_splits(cfg, train=True)
+    with pytest.raises(teachers.TeacherError, match=r"no teacher for domain 'default'") as e:
+        assembly.load_teachers(cfg, mesh, tokenizer, tokenizer.vocab_size, problems)
+    assert "\n" not in str(e.value)
