@@ -135,3 +135,42 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
     with pytest.raises(teachers.TeacherError, match=r"no teacher for domain 'default'") as e:
         assembly.load_teachers(cfg, mesh, tokenizer, tokenizer.vocab_size, problems)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompts"])
+def test_teacher_logps_laid_out_like_sampler_logps(layout):
+    """``rollout.shape(teacher_logps=...)``: the same values as ``sampler_logp`` when the
+    teacher's log-probs are the sampler's, in every layout (forced tokens included)."""
+    import numpy as np
+
+    from jaxrlvr import rollout
+    from jaxrlvr.sampling import base as sampling_base
+
+    rng = np.random.default_rng(0)
+    prompts = [[5, 6, 7], [8, 9]]
+    lengths = [3, 1, 0, 4, 2, 5]  # 3 completions per prompt, one empty
+    completions = []
+    for i, n in enumerate(lengths):
+        ids = rng.integers(3, 50, n).tolist()
+        lp = (-rng.random(n)).astype(np.float32).tolist()
+        completions.append(
+            sampling_base.Completion(
+                text="x", token_ids=ids, logprobs=lp, finish_reason="stop", prompt_index=i // 3
+            )
+        )
+    scores = [{"reward": 1.0, "answer_reward": 1.0, "format_reward": 1.0}] * len(completions)
+    cfg = rollout.ShapingConfig(
+        group_size=3, packing=layout != "padded", share_prompts=layout == "shared_prompts"
+    )
+    batch, _ = rollout.shape(
+        prompts,
+        completions,
+        scores,
+        cfg,
+        pad_id=0,
+        teacher_logps=[np.asarray(c.logprobs, np.float32) for c in completions],
+    )
+    np.testing.assert_array_equal(batch.teacher_logp, batch.sampler_logp)
+    assert np.count_nonzero(batch.teacher_logp) == sum(lengths)
+    with pytest.raises(ValueError, match="completion 0: 2 values for 3 tokens"):
+        rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=[[0.0, 0.0]] * 6)
