@@ -1,0 +1,73 @@
+"""A tiny Qwen3-MoE trained by ``jaxrlvr train`` as a real two-process JAX job, experts sharded.
+
+The tiny config of tests/multihost_runs.py with a Qwen3-MoE in place of the Qwen2: 8 experts
+(top-2) on the (1, 8, 1) mesh, so the stacked experts [E, ...] are split one per device over
+``fsdp`` (the logical axis ``expert``), across the two processes' 4 + 4 devices. Three GRPO steps:
+
+- 2 processes x 4 devices end with the parameters (1e-5) and log the metrics (router metrics
+  included) of 1 process x 8 devices;
+- both processes SIGKILLed after the step-1 checkpoint, then ``--resume``: the final parameters
+  are exactly (bit for bit) those of the uninterrupted two-process run.
+"""
+
+import signal
+import time
+
+import numpy as np
+import pytest
+from multihost_runs import assert_same_metrics, final_params, finish, metric_lines, start
+
+MOE = [
+    "model.model_type=qwen3_moe",
+    "model.num_experts=8",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(the 1-process x 8-device run dir, the 2-process x 4-device run dir), run concurrently."""
+    root = tmp_path_factory.mktemp("multihost_moe")
+    single, multi = root / "single", root / "multi"
+    finish(start(single, *MOE, processes=1) + start(multi, *MOE))
+    return single, multi
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_sharded_experts(runs):
+    single, multi = runs
+    step_a, a = final_params(single)
+    step_b, b = final_params(multi)
+    assert step_a == step_b == 3
+    assert any("experts" in k for k in a) and a.keys() == b.keys()
+    (gate,) = [k for k in a if "experts" in k and "gate_proj" in k]
+    assert a[gate].shape[-3] == 8  # [layers, E, D, F]
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
+    assert_same_metrics(single, multi)
+    lines = metric_lines(multi)
+    assert all(x["grad_norm"] > 0 for x in lines[1:])
+    assert all(0.0 < x["router/load_entropy"] for x in lines[1:])
+
+
+@pytest.mark.slow
+def test_killed_moe_job_resumes_to_the_uninterrupted_params(runs, tmp_path):
+    run_dir = tmp_path / "run"
+    procs = start(run_dir, *MOE)
+    ckpt = run_dir / "checkpoints" / "1"
+    deadline = time.time() + 900
+    while time.time() < deadline and all(p.poll() is None for p in procs) and not ckpt.is_dir():
+        time.sleep(0.2)
+    assert all(p.poll() is None for p in procs), "a process ended before the kill"
+    assert ckpt.is_dir(), "no step-1 checkpoint within 900 s"
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.communicate()
+    finish(start(run_dir, *MOE, "--resume"))
+    step, resumed = final_params(run_dir)
+    ref_step, ref = final_params(runs[1])
+    assert step == ref_step == 3
+    for k in ref:
+        np.testing.assert_array_equal(resumed[k], ref[k], err_msg=k)
