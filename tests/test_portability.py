@@ -511,3 +511,84 @@ def test_generate_lowers(arch, generate_calls, name, platform):
             )
             _GENERATE_SIZES[key] = len(exported.mlir_module())
         SIZES.setdefault(label, {})[platform] = _GENERATE_SIZES[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3 and Qwen3-MoE at real sizes (issue 39): the GRPO update, the forward and one-token
+# decode of Qwen3-1.7B and Qwen3-30B-A3B (``ModelConfig`` presets of their config.json), on the
+# same (data=2, fsdp=2, tensor=2) mesh. The MoE runs the accelerators' grouped-matmul kernel
+# (``moe_impl="ragged_dot"``: "auto" would resolve to the CPU kernel on this host). Each
+# architecture is exported for one platform (1.7B for CUDA, 30B-A3B for TPU), which keeps the
+# test near a minute; the update's lowering rules are the same for both (the cases above).
+
+QWEN3 = {
+    "qwen3_1_7b": lambda: M.ModelConfig.qwen3_1_7b(dtype="bfloat16", param_dtype="float32"),
+    "qwen3_30b_a3b": lambda: M.ModelConfig.qwen3_30b_a3b(
+        dtype="bfloat16", param_dtype="float32", moe_impl="ragged_dot"
+    ),
+}
+
+
+def _qwen3_arch(name):
+    cfg = QWEN3[name]()
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    abstract = nnx.eval_shape(lambda: M.CausalLM(cfg, mesh=mesh))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    assert M.param_count(params) == cfg.num_params()
+    if cfg.is_moe:
+        # Whole experts per fsdp shard, their width over tensor: no expert kernel replicated.
+        specs = M.param_partition_specs(params, mesh)
+        experts = [
+            s for path, s in jax.tree_util.tree_leaves_with_path(specs) if "experts" in str(path)
+        ]
+        assert len(experts) == 3 and all(s[1] == "fsdp" and "tensor" in s for s in experts)
+    return Arch(cfg, mesh, graphdef, params)
+
+
+@pytest.mark.slow  # lowering the 1.7B (~10 s) and the 30B-A3B (~50 s) update, forward, decode
+@pytest.mark.parametrize("name,platform", [("qwen3_1_7b", "cuda"), ("qwen3_30b_a3b", "tpu")])
+def test_qwen3_update_forward_decode_lower(name, platform):
+    arch = _qwen3_arch(name)
+    algo = _grpo()(arch)
+    state = jax.eval_shape(lambda p: algo.init(p, 0), arch.params)
+    shardings = step.state_shardings(state, arch.mesh)
+    compiled = step.CompiledAlgorithm(algo, arch.mesh, shardings)
+    batch, _ = jax.eval_shape(algo.prepare, state, _rollouts(algo.rollout_spec))
+    rows = step.batch_shardings(batch, arch.mesh)
+    exported = export(
+        f"{name}/grpo/update",
+        platform,
+        compiled._update,
+        state,
+        batch,
+        expected_shardings=(shardings, rows),
+    )
+    if arch.cfg.is_moe:
+        assert "ragged_dot" in exported.mlir_module()
+
+    params_sh = M.param_shardings(arch.params, arch.mesh)
+    ids_sh = M.batch_sharding(arch.mesh, 2)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    forward = jax.jit(
+        functools.partial(_forward, arch.graphdef), in_shardings=(params_sh, ids_sh, ids_sh, ids_sh)
+    )
+    export(
+        f"{name}/forward", platform, forward, arch.params, ids, ids, ids,
+        expected_shardings=(params_sh, ids_sh, ids_sh, ids_sh),
+    )  # fmt: skip
+    slots = 2 * T
+    cache = jax.eval_shape(lambda: M.init_cache(arch.cfg, B, slots))
+    cache_sh = _cache_shardings(cache, arch.mesh)
+    one = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    mask = jax.ShapeDtypeStruct((B, slots), jnp.int32)
+    replicated = NamedSharding(arch.mesh, PartitionSpec())
+    decode = jax.jit(
+        functools.partial(_decode, arch.graphdef),
+        in_shardings=(params_sh, ids_sh, ids_sh, ids_sh, cache_sh, replicated),
+        donate_argnums=4,
+    )
+    export(
+        f"{name}/decode", platform, decode, arch.params, one, mask, one, cache,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        expected_shardings=(params_sh, ids_sh, ids_sh, ids_sh, cache_sh, replicated),
+    )  # fmt: skip
