@@ -308,6 +308,15 @@ class TeacherRegistry:
         self.teachers = dict(teachers)
         self.default = default
 
+    @property
+    def device_teacher(self) -> LocalTeacher | None:
+        """The one local teacher when every domain maps to it (its pass then runs on the
+        placed training batch, ``Learner.prepare``, in a one-process job), else None (host
+        scoring)."""
+        distinct = {id(t): t for t in self.teachers.values()}
+        only = next(iter(distinct.values())) if len(distinct) == 1 else None
+        return only if isinstance(only, LocalTeacher) else None
+
     def teacher_for(self, domain: str) -> Teacher:
         """The teacher of ``domain`` (or of the default domain)."""
         if domain in self.teachers:

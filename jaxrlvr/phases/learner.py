@@ -89,6 +89,7 @@ class Learner:
         max_length: int,
         row_block: tuple[int, int],
         graphdef=None,
+        teachers=None,
     ):
         self.rl, self.max_tokens = rl, max_tokens
         self.make_algorithm, self.mesh, self.shardings = make_algorithm, mesh, shardings
@@ -101,6 +102,10 @@ class Learner:
         self._versions: dict[int, object] = {}
         self._graphdef = graphdef  # the policy's (routing replay and diagnostics)
         self._route_fns: dict[str, Callable] = {}
+        # On-policy distillation: the registry and its one local teacher, if it has one.
+        self.teachers = teachers
+        one = teachers is not None and jax.process_count() == 1
+        self.teacher = teachers.device_teacher if one else None
 
     def compiled_for(self, microbatches: int | None = None) -> step_lib.CompiledAlgorithm:
         """The prepare/update compiled for ``microbatches`` (default: the configured count). A
@@ -169,6 +174,9 @@ class Learner:
         with that version's kept parameters (module docstring)."""
         compiled = self.compiled_for(microbatches)
         rollouts, route_m = self._routes(state, rollouts)
+        if self.teacher is not None and rollouts.teacher_logp is None:
+            rollouts, teacher_m = self._teacher_pass(compiled, rollouts)
+            route_m = {**route_m, **teacher_m}
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(state, fields)
         if route_m:
@@ -185,6 +193,27 @@ class Learner:
                 batch = batch.replace(behaviour_logp=batch.old_logp)
             metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
+
+    def _teacher_pass(self, compiled, rollouts):
+        """(rollouts placed on the mesh with the local teacher's ``teacher_logp``, metrics): the
+        rollouts are placed once (``compiled.prepare`` then moves nothing), the teacher's pass
+        runs on them with its parameters as arguments. Metrics under each of the registry's
+        domains (one teacher serves them all): ``distill/<domain>/reverse_kl``, k1 over the
+        loss tokens of the sampler's log-prob minus the teacher's, and ``teacher_top1_lb``, the
+        share of loss tokens whose teacher probability exceeds 1/2 (``RolloutSource``'s host
+        metrics, over the loss mask)."""
+        placed = step_lib.shard_batch(rollouts, self.mesh)
+        teacher_logp = self.teacher.batch_logprobs(placed)
+        mask = placed.loss_mask != 0
+        n = jax.numpy.maximum(mask.sum(), 1)
+        kl = jax.numpy.where(mask, placed.sampler_logp - teacher_logp, 0.0).sum() / n
+        top1 = (mask & (teacher_logp > np.log(0.5))).sum() / n
+        kl, top1 = (float(x) for x in jax.device_get((kl, top1)))
+        metrics = {}
+        for domain in self.teachers.teachers:
+            metrics[f"distill/{domain}/reverse_kl"] = kl
+            metrics[f"distill/{domain}/teacher_top1_lb"] = top1
+        return placed.replace(teacher_logp=teacher_logp), metrics
 
     def _route_fn(self, name: str) -> Callable:
         if name not in self._route_fns:

@@ -103,6 +103,7 @@ class RLPhase(base.RLStepsPhase):
             max_length=ctx.model_cfg.max_position_embeddings,
             row_block=ctx.row_block,
             graphdef=ctx.graphdef if ctx.model_cfg.is_moe else None,
+            teachers=ctx.teachers,
         )
 
     def state_dict(self):

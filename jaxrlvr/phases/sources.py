@@ -219,7 +219,9 @@ class RolloutSource:
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
         teacher_logps, teacher_m = None, {}
-        if self.ctx.teachers is not None:
+        # One local teacher scores the placed batch in ``Learner.prepare`` instead.
+        teachers = self.ctx.teachers
+        if teachers is not None and (teachers.device_teacher is None or jax.process_count() > 1):
             with timer.phase("teacher"):
                 teacher_logps, teacher_m = self.teacher_scores(problems, prompt_ids, completions)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **teacher_m}
