@@ -3,9 +3,11 @@
 
 - A student that starts as its teacher's copy: the per-token reverse KL is 0 at step 1 (the JAX
   sampler's log-probs and the teacher's pass are the same computation), on the host
-  (``distill/default/reverse_kl``) and in the update (``distill/reverse_kl``).
+  (``distill/default/reverse_kl``) and in the update (``distill/reverse_kl``); two teachers,
+  so the host path (``RolloutSource.teacher_scores``) scores.
 - A peaked student (embedding scaled up: low entropy) distilled from a near-uniform random
-  teacher: the reverse KL falls over six steps.
+  teacher: the reverse KL falls over six steps; one local teacher, so it scores on device
+  (``Learner.prepare``).
 - A problem domain without a teacher, and a teacher folder that does not exist: one line each,
   before any step.
 """
@@ -83,8 +85,17 @@ def _rl_lines(run_dir):
 
 @pytest.mark.slow
 def test_student_as_its_own_teacher_has_zero_reverse_kl(tmp_path, folders):
-    _distill(tmp_path / "self", folders["plain"], folders["plain"], "rl.steps=1")
+    # A second teacher (for a domain no problem has) makes the registry score on the host
+    # (``RolloutSource.teacher_scores``); one local teacher scores on device (the next test).
+    _distill(
+        tmp_path / "self",
+        folders["plain"],
+        folders["plain"],
+        "rl.steps=1",
+        f"rl.distill.teachers={{other: {folders['peaked']}}}",
+    )
     (line,) = _rl_lines(tmp_path / "self")
+    assert "time/teacher_s" in line  # scored on the host
     assert abs(line["distill/default/reverse_kl"]) < 1e-5
     assert abs(line["distill/reverse_kl"]) < 1e-5
     assert line["distill/teacher_logp"] < -0.1  # a real signal: the tokens are not certain
@@ -104,6 +115,7 @@ def test_reverse_kl_to_another_teacher_falls(tmp_path, folders):
     lines = _rl_lines(tmp_path / "other")
     kl = [x["distill/reverse_kl"] for x in lines]
     assert len(kl) == 6
+    assert not any("time/teacher_s" in x for x in lines)  # scored on device
     # The host's k1 (sampler log-probs) and the update's (trainer log-probs) agree.
     for x in lines:
         assert x["distill/default/reverse_kl"] == pytest.approx(x["distill/reverse_kl"], abs=1e-4)
