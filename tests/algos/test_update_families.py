@@ -5,7 +5,7 @@ Each case runs one real update with 2 microbatches (plain SGD, so the parameter 
 gradient) and checks that the loss is finite, the update moved the parameters, and on the MoE the
 router and the experts both received gradient; for GSPO and DPO the update with 1 microbatch too,
 whose loss and parameters must agree (the MoE's dropless dispatch routes each token alone, so
-splitting the batch changes nothing). About 2.5 min for the ten cases on the loaded 2 cores.
+splitting the batch changes nothing). 4.9 min for the ten cases on the loaded 2 cores.
 """
 
 import jax
@@ -126,7 +126,7 @@ def _run(method, cfg, graphdef, params, n):
     return new.params, m, "loss"
 
 
-@pytest.mark.slow  # 10-20 s per case (one or two compiles) on the shared 2 cores
+@pytest.mark.slow  # 12-50 s per case (one or two compiles) on the loaded 2 cores
 @pytest.mark.parametrize("method", ["sft", "grpo", "gspo", "ppo", "dpo"])
 def test_update_is_exact_under_microbatching_and_trains_every_part(family, method):
     cfg, graphdef, params = family
@@ -137,11 +137,11 @@ def test_update_is_exact_under_microbatching_and_trains_every_part(family, metho
         np.testing.assert_allclose(float(m1[key]), float(m2[key]), rtol=2e-5, atol=1e-6)
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
-    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), p1, params)
-    assert max(jax.tree.leaves(moved)) > 1e-4
-    layers = moved["model"]["layers"]
-    assert max(jax.tree.leaves(layers["self_attn"])) > 0.0
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: a - b, p1, params))[0]
+    moved = {jax.tree_util.keystr(k): float(jnp.max(jnp.abs(v))) for k, v in flat}
+    assert max(moved.values()) > 1e-4
+    assert max(v for k, v in moved.items() if "self_attn" in k) > 0.0
     if cfg.is_moe:
-        assert float(layers["mlp"]["gate"]["kernel"][...]) > 0.0  # the router learns
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            assert float(layers["mlp"]["experts"][name][...]) > 0.0
+        parts = ("['gate']", "gate_proj", "up_proj", "down_proj")  # the router, the experts
+        for part in parts:
+            assert max(v for k, v in moved.items() if "mlp" in k and part in k) > 0.0, part
