@@ -46,7 +46,7 @@ def test_sync_without_a_vllm_python_names_the_flag(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "name, argv, says",
     [
-        ("forward", ["--shapes", "huge"], "--shapes: 'huge' is not one of small, tiny"),
+        ("forward", ["--shapes", "huge"], "--shapes: 'huge' is not one of moe, small, tiny"),
         ("forward", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
         ("update", ["--systems", "jax"], "--systems: 'jax' is not one of jaxrlvr, torch"),
         ("sync", ["--vllm-python", "py", "--shapes", "1b"], "--shapes: '1b' is not one of"),
