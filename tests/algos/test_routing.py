@@ -249,6 +249,7 @@ class _TwoSteps:
         pass
 
 
+@pytest.mark.slow
 def test_multi_turn_routes_align_with_one_forward_over_the_trajectory():
     """Each turn's routes continue where the last turn's stopped (environment tokens take the
     next turn's prefill): the trajectory's routes equal a single forward's over prompt +
