@@ -62,7 +62,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient, policy_loss, segments
+from jaxrlvr.algos import (
+    aggregation,
+    engine,
+    kl,
+    loss_config,
+    policy_gradient,
+    policy_loss,
+    segments,
+)
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
 
@@ -218,7 +226,7 @@ def reverse_kl_policy_loss(
 
     metrics = dict(metrics)
     metrics["distill/reverse_kl_sum"] = tsum(-log_r)
-    metrics["distill/reverse_kl_k3_sum"] = tsum(jnp.maximum(jnp.expm1(log_r) - log_r, 0.0))
+    metrics["distill/reverse_kl_k3_sum"] = tsum(kl.k3(log_r))
     metrics["distill/teacher_logp_sum"] = tsum(teacher)
     return loss, metrics
 

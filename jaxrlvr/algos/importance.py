@@ -16,7 +16,7 @@ log-ratios over each sequence) or geometric-mean (their mean) level, truncated (
 (IcePop, Ling Team 2025, "Every Step Evolves"). The weight is a constant (no gradient).
 
 ``correction_metrics`` reports, for one source, what the correction sees: the mismatch KL
-KL(pi_b || pi_t) estimated on the sampled tokens with k1 = -d and k3 = exp(d) - 1 - d
+KL(pi_b || pi_t) estimated on the sampled tokens with k1 = -d and k3 = expm1(d) - d (``kl.k3``)
 (Schulman's estimators, d = log pi_t - log pi_b), the level ratio's largest and smallest value,
 its effective sample size ESS = (sum w)^2 / (n sum w^2) in (0, 1] (Kong 1992; verl reports the
 same normalised form), and the fractions of tokens and of sequences that the configured mode
@@ -34,7 +34,7 @@ the behaviour version's from kept parameter versions) and the loss itself (``pol
 import jax
 import jax.numpy as jnp
 
-from jaxrlvr.algos import aggregation, loss_config, segments
+from jaxrlvr.algos import aggregation, kl, loss_config, segments
 
 _f32 = jnp.float32
 SOURCES = ("engine", "staleness", "both")
@@ -183,7 +183,7 @@ def correction_metrics(
 
     vals = (
         tsum(-d),
-        tsum(jnp.exp(d) - 1.0 - d),
+        tsum(kl.k3(d)),
         tsum(r),
         tsum(r * r),
         tsum(masked),

@@ -23,6 +23,7 @@ def kl_estimate(
     estimator: loss_config.KLEstimator = "k3",
     *,
     log_ratio_clamp: float = 20.0,
+    mask_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token KL(pi || pi_ref) estimate, float32, same shape as the inputs.
 
@@ -35,19 +36,32 @@ def kl_estimate(
       ref_logp_bt: floating, same shape, log pi_ref of the same tokens.
       estimator: "k1", "k2" or "k3".
       log_ratio_clamp: bound on |log r|.
+      mask_bt: optional mask of the inputs' shape: where it is 0, log r is set to 0 right after
+        the subtraction (estimate 0), so non-finite log-probs on padding (NaN reference
+        log-probs) reach neither the value nor the gradient (a mask applied to the output
+        would still let NaN * 0 into the gradient).
     """
     loss_config.expect_array(logp_bt, "logp_bt", kind="float")
     loss_config.expect_array(ref_logp_bt, "ref_logp_bt", shape=jnp.shape(logp_bt), kind="float")
     loss_config.check_literal("estimator", estimator, loss_config.KLEstimator)
-    log_r = jnp.clip(
-        ref_logp_bt.astype(jnp.float32) - logp_bt.astype(jnp.float32),
-        -log_ratio_clamp,
-        log_ratio_clamp,
-    )
+    log_r = ref_logp_bt.astype(jnp.float32) - logp_bt.astype(jnp.float32)
+    if mask_bt is not None:
+        loss_config.expect_array(mask_bt, "mask_bt", shape=jnp.shape(logp_bt), kind="mask")
+        log_r = jnp.where(jnp.asarray(mask_bt) != 0, log_r, 0.0)
+    log_r = jnp.clip(log_r, -log_ratio_clamp, log_ratio_clamp)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * jnp.square(log_r)
-    # expm1 keeps k3 accurate for tiny log r (exp(x) - 1 - x cancels to a negative in float32);
-    # the max removes any remaining rounding below the true value, which is >= 0.
+    return k3(log_r)
+
+
+def k3(log_r: jax.Array) -> jax.Array:
+    """k3 = (r - 1) - log r from log r, float32: the one implementation every caller uses.
+
+    expm1 keeps it accurate for tiny log r (exp(x) - 1 - x cancels to a slightly negative value
+    in float32 at float32-level mismatch); the max at 0 removes any remaining rounding below the
+    true value, which is >= 0.
+    """
+    log_r = jnp.asarray(log_r, jnp.float32)
     return jnp.maximum(jnp.expm1(log_r) - log_r, 0.0)

@@ -179,7 +179,7 @@ def policy_loss(
 
     zeros = jnp.zeros(shape, _f32)
     kl_t = (
-        kl.kl_estimate(lp, ref_logp_bt, cfg.kl_estimator, log_ratio_clamp=clamp)
+        kl.kl_estimate(lp, ref_logp_bt, cfg.kl_estimator, log_ratio_clamp=clamp, mask_bt=mask_bt)
         if ref_logp_bt is not None
         else zeros
     )

@@ -97,7 +97,11 @@ def ppo_advantages(batch: batch_lib.Batch, cfg: PPOUpdateConfig) -> tuple[jax.Ar
     loss = cfg.loss
     if loss.kl_in == "reward" and loss.kl_coef > 0:
         kl_bt = kl.kl_estimate(
-            batch.old_logp, batch.ref_logp, loss.kl_estimator, log_ratio_clamp=loss.log_ratio_clamp
+            batch.old_logp,
+            batch.ref_logp,
+            loss.kl_estimator,
+            log_ratio_clamp=loss.log_ratio_clamp,
+            mask_bt=mask,
         )
         beta = loss.kl_coef
     else:

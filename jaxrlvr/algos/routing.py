@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrlvr.algos import batch as batch_lib
+from jaxrlvr.algos import kl
 
 ReplayMode = Literal["none", "r3", "r2"]
 
@@ -83,7 +84,7 @@ def _k3(sampler_logp, trainer_logp, mask):
     """Mean k3 estimate of KL(sampler || trainer) over ``mask``: r - 1 - log r with r =
     pi_trainer / pi_sampler (Schulman's k3; expm1 and a clamp at 0 for float32 mismatch)."""
     d = trainer_logp - sampler_logp
-    k3 = jnp.maximum(jnp.expm1(d) - d, 0.0)
+    k3 = kl.k3(d)
     m = mask.astype(jnp.float32)
     return jnp.sum(jnp.where(m > 0, k3, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 

@@ -283,3 +283,14 @@ class CorrectionVariantsTest(chex.TestCase):
             args = (d["old"] - d["sampler"], d["mask"], d["seg"])
             # float32 reductions over ~40 tokens; XLA may reorder them under jit
             chex.assert_trees_all_close(self.variant(fn)(*args), fn(*args), rtol=1e-6, atol=1e-7)
+
+
+def test_k3_metric_is_not_negative_at_float32_level_mismatch():
+    # log ratios of a few float32 ulps, as two engines that agree up to rounding produce:
+    # the k3 sum is >= 0 (exp(d) - 1 - d summed here reads negative in float32).
+    d = (np.arange(-32, 32, dtype=np.float32) * np.float32(1e-6)).reshape(4, 16)
+    dj = jnp.asarray(d)
+    assert float(jnp.sum(jnp.exp(dj) - 1.0 - dj)) < 0  # the old formula, in XLA's float32
+    mask = np.ones_like(d)
+    m = importance.correction_metrics("x/", jnp.asarray(d), mask, CC(mode="none"))
+    assert float(m["x/k3_sum"]) >= 0

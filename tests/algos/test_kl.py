@@ -80,3 +80,43 @@ class KLVariantsTest(chex.TestCase):
             chex.assert_trees_all_close(
                 fn(lp, ref), kl.kl_estimate(lp, ref, name), rtol=1e-6, atol=0
             )
+
+
+def test_k3_at_float32_level_mismatch_is_never_negative():
+    # log r of a few float32 ulps: exp(d) - 1 - d cancels to a negative in float32 (the bug this
+    # guards against); expm1(d) - d clamped at 0 never does.
+    d = np.arange(-64, 65, dtype=np.float32) * np.float32(1e-6)
+    dj = jnp.asarray(d)
+    naive = np.asarray(jnp.exp(dj) - 1.0 - dj)
+    assert np.any(naive < 0)  # the old formula really goes negative here in XLA's float32
+    got = np.asarray(kl.k3(jnp.asarray(d)))
+    assert np.all(got >= 0)
+    # true k3 = d^2/2 + O(d^3) <= 1e-14 here: float32 resolves it to within its rounding
+    np.testing.assert_allclose(got, 0.5 * d.astype(np.float64) ** 2, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_nan_reference_on_padding_gives_finite_value_and_gradient(name):
+    lp, ref = _pair(3)
+    mask = np.ones_like(lp)
+    mask[:, -2:] = 0
+    ref = ref.copy()
+    ref[:, -2:] = np.nan  # reference log-probs never computed on padding
+
+    def total(lp_):
+        est = kl.kl_estimate(lp_, jnp.asarray(ref), name, mask_bt=jnp.asarray(mask))
+        return jnp.sum(est * mask)
+
+    value, grad = jax.value_and_grad(total)(jnp.asarray(lp))
+    assert np.isfinite(float(value))
+    g = np.asarray(grad)
+    assert np.all(np.isfinite(g)) and np.all(g[:, -2:] == 0)
+    # on the valid tokens: the unmasked estimator's value and gradient
+    clean = np.where(mask > 0, ref, lp)
+    v2, g2 = jax.value_and_grad(lambda x: jnp.sum(kl.kl_estimate(x, clean, name) * mask))(lp)
+    np.testing.assert_allclose(float(value), float(v2), rtol=1e-6)
+    np.testing.assert_allclose(g[:, :-2], np.asarray(g2)[:, :-2], rtol=1e-6)
+    if name != "k1":  # k1 is linear in log r: its gradient never reads the NaN
+        # without the mask argument the NaN reaches the gradient (what the argument is for)
+        g3 = jax.grad(lambda x: jnp.sum(kl.kl_estimate(x, jnp.asarray(ref), name) * mask))(lp)
+        assert not np.all(np.isfinite(np.asarray(g3)))
