@@ -295,3 +295,38 @@ def test_disagreement_counts_sets_not_order():
     np.testing.assert_allclose(float(m["routing/disagree"]), 0.5, rtol=1e-6)
     np.testing.assert_allclose(float(m["routing/token_disagree"]), 2 / 3, rtol=1e-6)
     np.testing.assert_allclose(float(m["routing/covered"]), 3 / 4, rtol=1e-6)
+
+
+def test_r2_routes_are_the_trainers_own_and_pin_later_epochs(lm, completions):
+    """R2 (``routing.trainer_routes``): the trainer's live routes of the batch under the step's
+    parameters, the same as each sequence's own forward; replaying them under those parameters
+    is no replay, and after the parameters move (a later epoch) they keep the experts of the
+    first epoch: the output equals forcing those experts, not the moved model's live choice."""
+    from jaxrlvr.algos import routing
+
+    _, batch = _rows(completions)
+    graphdef, params = nnx.split(lm, nnx.Param)
+    r2 = np.asarray(jax.jit(lambda p, b: routing.trainer_routes(graphdef, p, b))(params, batch))
+    for i, c in enumerate(completions):
+        ids = list(PROMPTS[c.prompt_index]) + list(c.token_ids)
+        n = len(ids) - 1  # label positions
+        np.testing.assert_array_equal(r2[i, :n], _live_routes(lm, ids)[:n])
+    first = batch.replace(routes=r2.astype(np.int16))
+    np.testing.assert_array_equal(_logp(lm, first), _logp(lm, batch.replace(routes=None)))
+
+    # "a later epoch": the router moved enough to choose other experts somewhere
+    moved = jax.tree.map(lambda a: a, params)
+    kernel = moved["model"]["layers"]["mlp"]["gate"]["kernel"]
+    noise = jax.random.normal(jax.random.PRNGKey(3), kernel.get_value().shape)
+    moved["model"]["layers"]["mlp"]["gate"]["kernel"] = nnx.Param(kernel.get_value() + 2.0 * noise)
+    lm2 = nnx.merge(graphdef, moved)
+    r2_later = np.asarray(
+        jax.jit(lambda p, b: routing.trainer_routes(graphdef, p, b))(moved, batch)
+    )
+    valid = np.asarray(batch.attention_mask) > 0
+    assert np.any(r2_later[valid] != r2[valid])  # the moved router's own choice differs
+    pinned = _logp(lm2, first)
+    assert np.max(np.abs(pinned - _logp(lm2, batch.replace(routes=None)))) > 1e-4
+    np.testing.assert_array_equal(
+        pinned, _logp(lm2, batch.replace(routes=r2.astype(np.int32)))
+    )  # the first epoch's experts, whatever their integer dtype
