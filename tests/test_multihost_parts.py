@@ -115,6 +115,11 @@ def test_pad_rows_adds_rows_and_positions_that_hold_nothing():
     assert p.loss_mask.sum() == 6 and p.attention_mask[:, 3:].sum() == 0
     assert p.attention_mask[2:].sum() == 0 and p.advantages[2:].sum() == 0
     assert step.agree_local_shapes(b) is b  # one process: unchanged
+    # MoE routes: padding holds -1 ("no recorded route": the live top-k), real routes are kept
+    routes = np.zeros((2, 3, 2, 2), np.int8)
+    pr = step.pad_rows(b.replace(routes=routes), 4, 5).routes
+    assert pr.shape == (4, 5, 2, 2) and pr.dtype == np.int8
+    assert np.all(pr[:2, :3] == 0) and np.all(pr[2:] == -1) and np.all(pr[:, 3:] == -1)
 
 
 def test_one_process_is_one_row_block_and_metrics_pass_through():

@@ -146,17 +146,21 @@ def process_row_block(mesh: Mesh) -> tuple[int, int]:
 
 def pad_rows(local_batch: batch_lib.Batch, rows: int, length: int) -> batch_lib.Batch:
     """``local_batch`` (NumPy) padded with rows and trailing positions that hold nothing (zero
-    ids, attention, loss mask and values) to ``rows`` x ``length``: every process's share of a
-    global batch must have the same shape."""
+    ids, attention, loss mask and values; MoE routes -1, the "no recorded route" of
+    ``Batch.routes``) to ``rows`` x ``length``: every process's share of a global batch must have
+    the same shape."""
 
-    def pad(x):
+    def pad(x, fill=0):
         x = np.asarray(x)
         widths = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
         if x.ndim >= 2:
             widths[1] = (0, length - x.shape[1])
-        return np.pad(x, widths) if any(w[1] for w in widths) else x
+        return np.pad(x, widths, constant_values=fill) if any(w[1] for w in widths) else x
 
-    return jax.tree.map(pad, local_batch)
+    out = jax.tree.map(pad, local_batch)
+    if local_batch.routes is not None:
+        out = out.replace(routes=pad(local_batch.routes, fill=-1))
+    return out
 
 
 def agree_local_shapes(local_batch: batch_lib.Batch) -> batch_lib.Batch:
