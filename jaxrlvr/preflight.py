@@ -172,10 +172,14 @@ def is_local_data(value: str) -> bool:
     return os.sep in value or "/" in value or value.endswith(DATA_SUFFIXES)
 
 
-def check_data_file(value: str, key: str, on_bad_row: str = "skip") -> int:
+def check_data_file(
+    value: str, key: str, on_bad_row: str = "skip", *, question_field: str | None = None
+) -> int:
     """A local jsonl/json/parquet data file must exist (hub dataset names are not checked); a
     json one must hold rows, each line a JSON object (``data.on_bad_row=raise``) or the
-    malformed lines reported as skipped. Returns the number of rows of a json file (else 0)."""
+    malformed lines reported as skipped, and, with ``question_field``, that column (checked
+    here, before the batch sizes: a file without its question column is named as such even
+    when it is also too small for a batch). Returns the number of rows of a json file (else 0)."""
     from jaxrlvr.data import loading
 
     if not is_local_data(value):
@@ -197,6 +201,12 @@ def check_data_file(value: str, key: str, on_bad_row: str = "skip") -> int:
     if skipped:
         lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         log(f"{key}={value!r}: skipping {len(skipped)} malformed lines (line {lines})")
+    columns = set().union(*rows) if rows else set()
+    if question_field is not None and rows and question_field not in columns:
+        raise PreflightError(
+            f"{key}={value!r}: no row has the question column data.question_field="
+            f"{question_field!r} (columns: {sorted(columns)})"
+        )
     return len(rows)
 
 
@@ -579,10 +589,13 @@ def check(
 
     d = cfg.data
     rows = {}  # rows of each json data file, checked against the batch sizes once all exist
+    question = d.question_field if d.code_layout is None else None  # code layouts: own columns
     if d.train not in config_lib.GENERATED_TASKS:
-        rows["data.train"] = check_data_file(d.train, "data.train", d.on_bad_row)
+        rows["data.train"] = check_data_file(
+            d.train, "data.train", d.on_bad_row, question_field=question
+        )
     if d.eval is not None:
-        check_data_file(d.eval, "data.eval", d.on_bad_row)
+        check_data_file(d.eval, "data.eval", d.on_bad_row, question_field=question)
     if mode == "train":
         from jaxrlvr import phases
 

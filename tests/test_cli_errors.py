@@ -331,6 +331,12 @@ GOOD = '{"problem": "1 + 1 = ?", "answer": "2"}'
             ["rl.prompts_per_step=4", "sft.steps=0"],
             None,  # a file that cannot fill one step
         ),
+        (  # rows without the question column, and too few of them: the column is named first
+            ['{"question": "1 + 1 = ?", "answer": "2"}'] * 3,
+            ["rl.prompts_per_step=4", "sft.steps=0"],
+            "no row has the question column data.question_field='problem' "
+            "(columns: ['answer', 'question'])",
+        ),
     ],
 )
 def test_bad_data_files_are_one_line_before_any_compute(capsys, tmp_path, lines, overrides, line):
