@@ -84,13 +84,7 @@ def _topk_fn(graphdef: nnx.GraphDef, k: int, chunk_size: int | None) -> Any:
 
     def fn(params, batch):
         lm = nnx.merge(graphdef, params)
-        hidden, _ = lm.backbone(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.positions,
-            segment_ids=batch.segment_ids,
-            prompt_group_ids=batch.prompt_group_ids,
-        )
+        hidden, _ = batch_lib.run_backbone(lm, batch)
 
         def top(h):
             logp = jax.nn.log_softmax(lm.lm_logits(h).astype(jnp.float32), axis=-1)

@@ -26,6 +26,7 @@ Not here: building batches from rollouts (the driver) and length bucketing.
 """
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -142,6 +143,20 @@ class BatchSpec:
                 raise ValueError(f"unknown batch field {name!r}; known: {sorted(_LAYOUT)}")
         if not self.num_microbatches >= 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches!r}")
+
+
+def run_backbone(lm: Any, b: Batch, **kwargs):
+    """``lm.backbone`` over a batch's tokens and packing fields (input ids, attention mask,
+    positions, segment ids, shared-prompt group ids): the one place these are passed. ``kwargs``
+    go to ``backbone`` as they are (``routes=``, ``with_router=``)."""
+    return lm.backbone(
+        b.input_ids,
+        b.attention_mask,
+        b.positions,
+        segment_ids=b.segment_ids,
+        prompt_group_ids=b.prompt_group_ids,
+        **kwargs,
+    )
 
 
 def _dtype_ok(name: str, dtype: np.dtype) -> str | None:

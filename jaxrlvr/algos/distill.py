@@ -502,13 +502,7 @@ def make_distill_update(
 
     def jsd_loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
-        hidden, _ = lm.backbone(
-            mb.input_ids,
-            mb.attention_mask,
-            mb.positions,
-            segment_ids=mb.segment_ids,
-            prompt_group_ids=mb.prompt_group_ids,
-        )
+        hidden, _ = batch_lib.run_backbone(lm, mb)
         loss_config.expect_array(
             mb.teacher_topk_ids, "teacher_topk_ids", shape=(*mb.loss_mask.shape, cfg.distill.top_k)
         )

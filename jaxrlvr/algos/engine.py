@@ -137,14 +137,7 @@ def token_logprobs(
 
     Chunked (``chunk_size``), only loss-mask positions are computed (0 elsewhere): chunks of
     prompt or padding in every row skip the lm_head. Unchunked, every position is."""
-    hidden, _ = lm.backbone(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.positions,
-        segment_ids=batch.segment_ids,
-        prompt_group_ids=batch.prompt_group_ids,
-        **replay_kwargs(batch.routes),
-    )
+    hidden, _ = batch_lib.run_backbone(lm, batch, **replay_kwargs(batch.routes))
     logp, ent = token_logprobs_from_hidden(
         lm,
         hidden,

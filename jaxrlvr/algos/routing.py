@@ -90,15 +90,7 @@ def _k3(sampler_logp, trainer_logp, mask):
 
 
 def _forward(lm, batch: batch_lib.Batch, routes):
-    hidden, _, router = lm.backbone(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.positions,
-        segment_ids=batch.segment_ids,
-        prompt_group_ids=batch.prompt_group_ids,
-        routes=routes,
-        with_router=True,
-    )
+    hidden, _, router = batch_lib.run_backbone(lm, batch, routes=routes, with_router=True)
     logits = lm.lm_logits(hidden)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch.labels[..., None], -1)[..., 0]
     return logp, jnp.transpose(router.expert_ids, (1, 2, 0, 3))

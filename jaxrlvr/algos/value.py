@@ -148,13 +148,7 @@ def make_value_fn(
                 prompt_group_ids_bt=batch.prompt_group_ids,
             )
         lm = nnx.merge(graphdef, params)
-        hidden, _ = lm.backbone(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.positions,
-            segment_ids=batch.segment_ids,
-            prompt_group_ids=batch.prompt_group_ids,
-        )
+        hidden, _ = batch_lib.run_backbone(lm, batch)
         return values_from_hidden(value_params, hidden)
 
     return value_fn
