@@ -208,6 +208,38 @@ def check_prompt_major(completions: Sequence[Completion], num_prompts: int, n: i
             )
 
 
+def generate(
+    generate_plain: Callable[[list[list[int]], int, SamplingParams], list[Completion]],
+    prompt_token_ids: Sequence[Sequence[int]],
+    n: int,
+    sampling_params: SamplingParams,
+    tokenizer: Callable[[], Any],
+    *,
+    budget_segment: Callable[[list[list[int]], int, SamplingParams], list[Completion]]
+    | None = None,
+) -> list[Completion]:
+    """Every sampler's ``generate``: the checks all samplers share, then the dispatch.
+
+    ``n`` must be an int >= 1 and every prompt needs a token (prompts become lists of ints);
+    no prompt gives no completion. Stop strings and a thinking budget need a tokenizer
+    (``tokenizer()``, called only then, returns it or raises). With a thinking budget the
+    samples run through ``generate_with_thinking_budget`` (segments by ``budget_segment``,
+    default ``generate_plain``), otherwise ``generate_plain(prompts, n, sampling_params)``.
+    """
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    prompts = [list(map(int, p)) for p in prompt_token_ids]
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if sampling_params.thinking_budget is not None:
+        return generate_with_thinking_budget(
+            budget_segment or generate_plain, prompts, n, sampling_params, tokenizer()
+        )
+    return generate_plain(prompts, n, sampling_params)
+
+
 def generate_with_thinking_budget(
     generate_segment: Callable[[list[list[int]], int, SamplingParams], list[Completion]],
     prompt_token_ids: Sequence[Sequence[int]],

@@ -423,26 +423,19 @@ class JaxSampler:
         """`n` completions per prompt, flat and prompt-major (see `base.Sampler`)."""
         if self._live is None:
             raise RuntimeError("JaxSampler is closed")
-        if not (isinstance(n, int) and n >= 1):
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
-        prompts = [list(map(int, p)) for p in prompt_token_ids]
-        if not prompts:
-            return []
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if (
-            sampling_params.stop or sampling_params.thinking_budget is not None
-        ) and self.tokenizer is None:
+        return base.generate(
+            self._generate_plain,
+            prompt_token_ids,
+            n,
+            sampling_params,
+            self._budget_tokenizer,
+            budget_segment=lambda *a: self._generate_plain(*a, routes=False),
+        )
+
+    def _budget_tokenizer(self):
+        if self.tokenizer is None:
             raise ValueError("stop strings and thinking_budget need a tokenizer")
-        if sampling_params.thinking_budget is not None:
-            return base.generate_with_thinking_budget(
-                lambda *a: self._generate_plain(*a, routes=False),
-                prompts,
-                n,
-                sampling_params,
-                self.tokenizer,
-            )
-        return self._generate_plain(prompts, n, sampling_params)
+        return self.tokenizer
 
     # ------------------------------------------------------------------------------------------
     # Internals
@@ -456,6 +449,8 @@ class JaxSampler:
         routes: bool = True,
     ) -> list[base.Completion]:
         """`generate` without a thinking budget, on validated prompts."""
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings and thinking_budget need a tokenizer")
         rows = [p for p in prompts for _ in range(n)]
         weights, version = self._live  # one snapshot: these weights generate every row
         routes = routes and self.record_routes

@@ -401,13 +401,13 @@ class VLLMSampler:
         sampling_params: base.SamplingParams,
     ) -> list[base.Completion]:
         """`n` completions per prompt, flat and prompt-major; raises rather than return fewer."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling_params.thinking_budget is not None:
-            return base.generate_with_thinking_budget(
-                self._generate_plain, prompt_token_ids, n, sampling_params, self.tokenizer
-            )
-        return self._generate_plain(prompt_token_ids, n, sampling_params)
+        return base.generate(
+            self._generate_plain,
+            prompt_token_ids,
+            n,
+            sampling_params,
+            lambda: self.tokenizer,
+        )
 
     def _generate_plain(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, params: base.SamplingParams

@@ -192,3 +192,36 @@ def test_sampler_protocol_is_structural():
 
     assert isinstance(Good(), base.Sampler)
     assert not isinstance(object(), base.Sampler)
+
+
+def test_generate_holds_the_checks_every_sampler_shares():
+    """``base.generate``: n and prompts checked, no prompt gives no completion, the tokenizer is
+    asked for only under a thinking budget, and the plain generator gets lists of ints."""
+    from jaxrlvr.sampling import base as base_lib
+
+    calls = []
+
+    def plain(prompts, n, params):
+        calls.append((prompts, n))
+        return [
+            base_lib.Completion(
+                prompt_index=i // n, token_ids=[7], logprobs=[-0.5], text="x", finish_reason="stop"
+            )
+            for i in range(len(prompts) * n)
+        ]
+
+    def no_tokenizer():
+        raise ValueError("needs a tokenizer")
+
+    params = base_lib.SamplingParams(max_tokens=4)
+    for bad_n in (0, 1.5, -2):
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
+            base_lib.generate(plain, [[1]], bad_n, params, no_tokenizer)
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        base_lib.generate(plain, [[1], []], 1, params, no_tokenizer)
+    assert base_lib.generate(plain, [], 2, params, no_tokenizer) == [] and calls == []
+    out = base_lib.generate(plain, [(1, 2), [3]], 2, params, no_tokenizer)
+    assert calls == [([[1, 2], [3]], 2)] and len(out) == 4
+    budget = base_lib.SamplingParams(max_tokens=4, thinking_budget=2)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        base_lib.generate(plain, [[1]], 1, budget, no_tokenizer)
