@@ -97,9 +97,12 @@ def _drop_orphaned_restore_reads(record: logging.LogRecord) -> bool:
     retrieved" of an orbax read (``async_deserialize``) that failed beside the one read whose
     error the failed restore already reported; every other record passes."""
     msg = record.getMessage()
-    return not (
-        msg.startswith("Task exception was never retrieved") and "coro=<async_deserialize()" in msg
-    )
+    if "exception was never retrieved" not in msg.split("\n", 1)[0]:
+        return True
+    # Task / Future / _GatheringFuture variants: an orbax read, by its coroutine or its error
+    exc = record.exc_info[1] if record.exc_info else None
+    read_error = exc is not None and "Encountered error while reading array index" in str(exc)
+    return not ("coro=<async_deserialize()" in msg or read_error)
 
 
 def describe_error(exc: BaseException, limit: int = 240) -> str:
