@@ -32,6 +32,7 @@ and remote storage specifics. Export to a Hugging Face folder lives with the mod
 
 import errno
 import glob
+import inspect
 import json
 import logging
 import os
@@ -84,12 +85,27 @@ def quiet_failed_restore_callbacks() -> None:
 
     def hook(unraisable):
         e = unraisable
-        if not _closed_loop_callback(e.exc_type, e.exc_value, e.exc_traceback):
-            previous(unraisable)
+        if _closed_loop_callback(e.exc_type, e.exc_value, e.exc_traceback):
+            return
+        if _orphaned_read_coroutine(e.object, e.exc_value):
+            return
+        previous(unraisable)
 
     hook._jaxrlvr_quiet_restores = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_drop_orphaned_restore_reads)
+
+
+def _orphaned_read_coroutine(obj: Any, exc: BaseException | None) -> bool:
+    """Whether an unraisable error is an orbax read coroutine of a failed restore closed by the
+    garbage collector: orbax's read catches ``BaseException`` (so also the ``GeneratorExit`` that
+    closing a suspended coroutine throws in) and raises its own "Encountered error while reading
+    array index", which Python can only report as "Exception ignored in: <coroutine ...>"."""
+    return (
+        inspect.iscoroutine(obj)
+        and exc is not None
+        and "Encountered error while reading array index" in str(exc)
+    )
 
 
 def _drop_orphaned_restore_reads(record: logging.LogRecord) -> bool:

@@ -318,7 +318,20 @@ def test_a_failed_restores_leftover_callbacks_are_quiet(monkeypatch):
         def __del__(self):
             raise RuntimeError("something else")
 
+    class Pending:  # a TensorStore read not yet done: suspends the coroutine awaiting it
+        def __await__(self):
+            yield
+
+    async def _read_array_index_and_device_put():  # orbax's read: BaseException -> Exception
+        try:
+            await Pending()
+        except BaseException as e:
+            raise Exception("Encountered error while reading array index: (slice(0, 4, 1),)") from e
+
+    read = _read_array_index_and_device_put()
+    read.send(None)  # suspended at its await, as a read in flight is when its restore fails
     Leftover(), Other()
+    del read  # closing it throws GeneratorExit in; its handler raises: "Exception ignored in"
     gc.collect()
     assert seen == ["something else"]
     # The restore's other failed reads, which asyncio reports when their tasks are collected.
