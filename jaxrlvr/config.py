@@ -4,6 +4,11 @@ YAML files in configs/ fill these classes (through ``configlib``); ``key=value``
 command line use the same dotted paths (``rl.group_size=8``). Sections reuse the library's own
 config classes where one exists (``PolicyLossConfig``, ``AdvantageConfig``, ``OptimizerConfig``,
 ``MeshConfig``, ``DistributedConfig``) rather than re-declaring their fields.
+
+The sections are plain records: a ``__post_init__`` here only normalises a value's type or
+spelling. Their checks, and those of the sections against each other, live with the run's
+other checks in ``preflight`` (``check_config``), which ``TrainConfig`` runs when it is made;
+the library's classes keep their own invariants (they are also used without a run).
 """
 
 from __future__ import annotations
@@ -92,8 +97,6 @@ class ModelSection:
         object.__setattr__(
             self, "param_dtype", dtype_name(self.param_dtype, argument="model.param_dtype")
         )
-        if self.path is None and self.tokenizer is None:
-            raise ValueError("model.tokenizer is required when model.path is not set")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,14 +137,6 @@ class DataSection:
     gold_format: str = " <answer>{answer}</answer>"
     shards: int | None = None
 
-    def __post_init__(self):
-        if self.shards is not None and self.shards < 1:
-            raise ValueError(f"data.shards must be an integer >= 1 or null, got {self.shards!r}")
-        if self.code_layout not in (None, "mbpp", "humaneval"):
-            raise ValueError(
-                f"data.code_layout must be null, 'mbpp' or 'humaneval', got {self.code_layout!r}"
-            )
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSection:
@@ -156,10 +151,6 @@ class RewardSection:
     num_workers: int = 2
     sandbox: SandboxKind = "bwrap"
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
-
-    def __post_init__(self):
-        if self.sandbox not in ("bwrap", "none"):
-            raise ValueError(f"reward.sandbox must be 'bwrap' or 'none', got {self.sandbox!r}")
 
 
 VLLMDevice = Literal["auto", "cpu", "cuda"]
@@ -221,70 +212,6 @@ class SamplerSection:
     # a float32 trainer: the mismatch of GPU RL stacks; docs/experiments/routing_replay.md).
     jax_dtype: Literal["float32", "bfloat16"] | None = None
 
-    def __post_init__(self):
-        from jaxrlvr import placement
-        from jaxrlvr.sampling import base as sampling_base
-        from jaxrlvr.sampling import bind
-
-        # The sampling parameters the run will use, checked now by the one validation
-        # (``SamplingParams``) rather than when the first rollout or evaluation starts.
-        sampling_base.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            stop=self.stop,
-            thinking_budget=self.thinking_budget,
-        )
-        eval_max_tokens = self.max_tokens if self.eval_max_tokens is None else self.eval_max_tokens
-        try:
-            sampling_base.SamplingParams(
-                temperature=self.eval_temperature, max_tokens=eval_max_tokens
-            )
-        except ValueError as e:
-            raise ValueError(f"eval_{e}") from None
-        bind.check_bind_host(
-            self.vllm_host,
-            self.vllm_allow_remote_dev_endpoints,
-            key="sampler.vllm_host",
-            allow_flag="sampler.vllm_allow_remote_dev_endpoints=true",
-        )
-        loss_config.check_literal("sampler.vllm_device", self.vllm_device, VLLMDevice)
-        loss_config.check_literal("sampler.vllm_dtype", self.vllm_dtype, VLLMDType)
-        if self.jax_devices < 0:
-            raise ValueError(f"sampler.jax_devices={self.jax_devices}: must be >= 0")
-        if self.jax_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(
-                f"sampler.jax_dtype={self.jax_dtype!r}: expected float32, bfloat16 or null"
-            )
-        if self.vllm_num_servers < 1:
-            raise ValueError(f"sampler.vllm_num_servers={self.vllm_num_servers}: must be >= 1")
-        gpus = list(self.vllm_gpus)
-        if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
-            raise ValueError(f"sampler.vllm_gpus={gpus!r}: expected distinct GPU numbers >= 0")
-        if gpus and self.vllm_device == "cpu":
-            raise ValueError(f"sampler.vllm_gpus={gpus!r}: needs sampler.vllm_device cuda or auto")
-        if gpus and self.vllm_urls:
-            raise ValueError(
-                f"sampler.vllm_gpus={gpus!r}: only for servers jaxrlvr starts, not with "
-                "sampler.vllm_urls"
-            )
-        if gpus:
-            placement.split_groups(gpus, self.vllm_num_servers)
-        for key in ("vllm_gpu_memory_utilization", "vllm_trainer_memory_fraction"):
-            value = getattr(self, key)
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ValueError(f"sampler.{key}={value!r}: expected a fraction in (0, 1]")
-        if self.vllm_colocate:
-            fraction = self.vllm_trainer_memory_fraction or placement.COLOCATED_TRAINER_FRACTION
-            util = self.vllm_gpu_memory_utilization or placement.COLOCATED_SERVER_UTILIZATION
-            if fraction + util > placement.MAX_COLOCATED_SUM:
-                raise ValueError(
-                    f"sampler.vllm_colocate: vllm_trainer_memory_fraction={fraction:g} + "
-                    f"vllm_gpu_memory_utilization={util:g} = {fraction + util:g} leaves no room "
-                    f"for the CUDA contexts; keep the sum <= {placement.MAX_COLOCATED_SUM:g}"
-                )
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTSection:
@@ -326,13 +253,6 @@ class DistillSection:
     teacher: str | None = None
     teachers: dict[str, str] = dataclasses.field(default_factory=dict)
     teacher_dtype: str = "float32"
-
-    def __post_init__(self):
-        if not self.kl_coef >= 0 or not self.reward_coef >= 0:
-            raise ValueError(
-                f"rl.distill: kl_coef={self.kl_coef!r} and reward_coef={self.reward_coef!r} "
-                "must be >= 0"
-            )
 
     @property
     def sources(self) -> dict[str, str]:
@@ -463,70 +383,6 @@ class RLSection:
             return dataclasses.replace(self.loss, correction=corr)
         return self.loss
 
-    def __post_init__(self):
-        for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
-            if getattr(self, key) < (0 if key == "steps" else 1):
-                raise ValueError(f"{key}={getattr(self, key)!r} must be positive")
-        if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
-            raise ValueError(f"rl.max_staleness={self.max_staleness!r}: expected an int >= 0")
-        if self.max_staleness > 0 and self.algo not in (
-            "grpo",
-            "ppo",
-            "expert_iteration",
-            "distill",
-        ):
-            raise ValueError(
-                f"rl.max_staleness={self.max_staleness}: asynchronous rollouts need an online "
-                f"algorithm (grpo, ppo, expert_iteration), not rl.algo={self.algo!r}"
-            )
-        corr = self.loss.correction
-        if (
-            self.max_staleness > 0
-            and not self.behaviour_logprobs
-            and corr.mode != "none"
-            and corr.source != "both"
-        ):
-            raise ValueError(
-                f"rl.loss.correction.source={corr.source!r} with rl.max_staleness="
-                f"{self.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
-                "version that sampled), or source 'both'"
-            )
-        if self.routing_replay not in ("none", "r3", "r2"):
-            raise ValueError(
-                f"rl.routing_replay={self.routing_replay!r}: expected one of none, r3, r2"
-            )
-        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
-            raise ValueError(f"rl.max_tokens_per_row={self.max_tokens_per_row!r} must be >= 1")
-        budget = self.max_tokens_per_microbatch
-        if budget is not None:
-            key = f"rl.max_tokens_per_microbatch={budget!r}"
-            if not (isinstance(budget, int) and budget >= 1):
-                raise ValueError(f"{key}: expected an int >= 1 or null")
-            if not self.packing or self.preference:
-                raise ValueError(
-                    f"{key}: a token budget fills packed rollout rows; it needs rl.packing=true "
-                    "and an online algorithm (grpo, ppo, expert_iteration)"
-                )
-            if self.microbatches != 1:
-                raise ValueError(
-                    f"{key}: the budget chooses each step's microbatch count; leave "
-                    f"rl.microbatches at 1, not {self.microbatches}"
-                )
-            if self.max_tokens_per_row is not None and budget < self.max_tokens_per_row:
-                raise ValueError(
-                    f"{key} is less than one row of rl.max_tokens_per_row="
-                    f"{self.max_tokens_per_row} positions"
-                )
-        if self.algo == "distill" and not self.distill.sources:
-            raise ValueError(
-                "rl.algo=distill needs a teacher: rl.distill.teacher (a folder or a vLLM URL) "
-                "or rl.distill.teachers (domain -> folder or URL)"
-            )
-        if self.algo == "grpo" and self.group_size < 2:
-            raise ValueError(
-                f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt"
-            )
-
 
 PREFERENCE_ALGOS = ("dpo", "ipo", "simpo", "orpo")
 # data.train values that name a generated task instead of a file or hub dataset.
@@ -560,10 +416,6 @@ class PrefSection:
     gamma: float = 1.0
     nll_weight: float = 0.0
     cache_reference: bool = False
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"pref.batch_size={self.batch_size!r} must be positive")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -600,22 +452,7 @@ class EnvSection:
     num_workers: int = 2
 
     def __post_init__(self):
-        object.__setattr__(self, "tools", tuple(self.tools))
-        for t in self.tools:
-            loss_config.check_literal("env.tools", t, ToolName)
-        if len(set(self.tools)) != len(self.tools):
-            raise ValueError(f"env.tools={list(self.tools)}: a tool is named twice")
-        for name in ("max_turns", "max_output_chars", "num_workers"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"env.{name}={value!r}: expected an int >= 1")
-        if self.max_tokens_per_turn is not None and not (
-            isinstance(self.max_tokens_per_turn, int) and self.max_tokens_per_turn >= 1
-        ):
-            raise ValueError(
-                f"env.max_tokens_per_turn={self.max_tokens_per_turn!r}: expected None or an "
-                "int >= 1"
-            )
+        object.__setattr__(self, "tools", tuple(self.tools))  # a list from code
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -625,12 +462,6 @@ class CheckpointSection:
 
     every: int = 10
     keep: int = 3
-
-    def __post_init__(self):
-        if not (isinstance(self.every, int) and self.every >= 0):
-            raise ValueError(f"checkpoint.every={self.every!r}: expected an int >= 0")
-        if not (isinstance(self.keep, int) and self.keep >= 1):
-            raise ValueError(f"checkpoint.keep={self.keep!r}: expected an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -651,14 +482,11 @@ class TrainConfig:
     env: EnvSection = dataclasses.field(default_factory=EnvSection)
 
     def __post_init__(self):
-        if self.env.tools:
-            if not self.rl.mask_forced_tokens:
-                raise ValueError(
-                    "env.tools needs rl.mask_forced_tokens=true (tool outputs are not the "
-                    "policy's tokens and must stay out of the loss)"
-                )
-            if self.sampler.thinking_budget is not None:
-                raise ValueError("env.tools cannot be combined with sampler.thinking_budget")
+        # Every way of making a run's config (YAML, overrides, code, dataclasses.replace) is
+        # checked here, once, in one order: preflight.check_config (the sections are records).
+        from jaxrlvr import preflight  # preflight imports this module
+
+        preflight.check_config(self)
 
 
 def load_config_dict(path: str, _seen: tuple[str, ...] = ()) -> dict:
