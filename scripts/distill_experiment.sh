@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The distillation experiment (issue 41 item 6; docs/experiments/distillation.md), from the shipped
+# configs: the GRPO teacher (configs/distill_teacher.yaml) exported, the demo's SFT warm start
+# (configs/distill_warmstart.yaml) exported, the teacher's correct samples on the training
+# prompts (scripts/teacher_samples.py), then for each seed the three students at equal steps:
+# on-policy distillation, GRPO, SFT on the teacher's samples (runs of 25/50/75/100 steps: the SFT
+# phase evaluates after its last step). Steps done before are skipped. Every training run takes
+# /tmp/demo.lock so two demo-sized runs never overlap. Then scripts/distill_report.py.
+# Usage: scripts/distill_experiment.sh        (SEEDS="0 1 2", R=runs/distill)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+J=.venv/bin/jaxrlvr
+PY=.venv/bin/python
+R=${R:-runs/distill}
+SEEDS="${SEEDS:-0 1 2}"
+SFT_POINTS="${SFT_POINTS:-25 50 75 100}"
+q=(run.progress=false)
+train() { flock /tmp/demo.lock "$J" train "$@" "${q[@]}" --overwrite; }
+done_run() { [ -f "$1/summary.json" ]; }
+mkdir -p "$R"
+done_run "$R/teacher" || train configs/distill_teacher.yaml run.out_dir="$R/teacher"
+[ -f "$R/teacher/hf/config.json" ] || "$J" export "$R/teacher" "$R/teacher/hf" --overwrite
+done_run "$R/sft" || train configs/distill_warmstart.yaml run.out_dir="$R/sft"
+[ -f "$R/sft/hf/config.json" ] || "$J" export "$R/sft" "$R/sft/hf" --overwrite
+ws=(model.path="$R/sft/hf")
+samples="$R/teacher_samples.jsonl"
+[ -f "$samples" ] || flock /tmp/demo.lock "$PY" scripts/teacher_samples.py \
+  configs/distill_teacher.yaml "$R/teacher" "$samples" --k 8 | tee "$R/teacher_samples.json"
+for seed in $SEEDS; do
+  out="$R/opd_s$seed"
+  done_run "$out" || train configs/distill_student_opd.yaml run.out_dir="$out" run.seed="$seed" \
+    "${ws[@]}" rl.distill.teacher="$R/teacher/hf"
+  out="$R/grpo_s$seed"
+  done_run "$out" || train configs/distill_student_grpo.yaml run.out_dir="$out" run.seed="$seed" \
+    "${ws[@]}"
+  for n in $SFT_POINTS; do
+    out="$R/sft_teacher_s${seed}_n$n"
+    done_run "$out" || train configs/distill_student_sft.yaml run.out_dir="$out" \
+      run.seed="$seed" "${ws[@]}" sft.steps="$n" sft.data="$samples"
+  done
+done

@@ -1,0 +1,124 @@
+"""Plot and table of the distillation experiment (scripts/distill_experiment.sh).
+
+Usage: python scripts/distill_report.py [RUNS_DIR] [OUT_PREFIX]
+Reads RUNS_DIR/{opd,grpo}_s*/ and RUNS_DIR/sft_teacher_s*_n*/ (summary.json, metrics.jsonl),
+the teacher's and the warm start's summaries; writes OUT_PREFIX.png (held-out accuracy against
+student steps and against the students' cumulative step time, mean over seeds, the band one
+standard deviation) and prints a markdown table (mean +- std over seeds, ddof 1).
+Training time is the sum of the runs' ``time/step_s`` (sampling, teacher pass, grading, update;
+not the evaluations, start-up or compilation outside the first step).
+"""
+
+import glob
+import json
+import os
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+METHODS = {
+    "opd": "on-policy distillation (reverse KL)",
+    "grpo": "GRPO (verifiable reward)",
+    "sft_teacher": "SFT on the teacher's correct samples",
+}
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def step_times(run):
+    """Per-step ``time/step_s`` of the run's training steps, in order."""
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return np.asarray([r["time/step_s"] for r in rows if "time/step_s" in r], float)
+
+
+def rl_curve(run):
+    """[(step, seconds, accuracy)] from an RL student's evaluations (step 0 included)."""
+    times = np.concatenate([[0.0], np.cumsum(step_times(run))])
+    hist = read_json(os.path.join(run, "summary.json"))["eval_history"]
+    return [(h["step"], times[h["step"]], h["eval/accuracy"]) for h in hist if h["phase"] != "sft"]
+
+
+def sft_curve(runs, start_acc):
+    """[(steps, seconds, accuracy)] from one seed's SFT runs of increasing length."""
+    points = [(0, 0.0, start_acc)]
+    for run in runs:
+        n = int(re.search(r"_n(\d+)$", run).group(1))
+        acc = read_json(os.path.join(run, "summary.json"))["eval_accuracy_final"]
+        points.append((n, float(step_times(run).sum()), acc))
+    return sorted(points)
+
+
+def curves(root, start_acc):
+    out = {}
+    for m in ("opd", "grpo"):
+        runs = sorted(glob.glob(os.path.join(root, f"{m}_s*")))
+        out[m] = [rl_curve(r) for r in runs if os.path.exists(os.path.join(r, "summary.json"))]
+    seeds = sorted(
+        {re.search(r"_s(\d+)_n", p).group(1) for p in glob.glob(f"{root}/sft_teacher_s*")}
+    )
+    out["sft_teacher"] = []
+    for s in seeds:
+        runs = [
+            r
+            for r in glob.glob(os.path.join(root, f"sft_teacher_s{s}_n*"))
+            if os.path.exists(os.path.join(r, "summary.json"))
+        ]
+        out["sft_teacher"].append(sft_curve(runs, start_acc))
+    return out
+
+
+def stack(curve_list):
+    """[seeds, points, 3] over the steps every seed has."""
+    common = sorted(set.intersection(*[{p[0] for p in c} for c in curve_list]))
+    return np.asarray([[next(p for p in c if p[0] == s) for s in common] for c in curve_list])
+
+
+def fmt(x, digits=3):
+    mean, sd = float(np.mean(x)), float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+    return f"{mean:.{digits}f} +- {sd:.{digits}f}"
+
+
+def main(root="runs/distill", out="docs/experiments/distillation"):
+    teacher = read_json(os.path.join(root, "teacher", "summary.json"))["eval_accuracy_final"]
+    start = read_json(os.path.join(root, "sft", "summary.json"))["eval_accuracy_final"]
+    data = {m: stack(c) for m, c in curves(root, start).items() if c}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m, arr in data.items():
+        steps, secs, acc = arr[..., 0].mean(0), arr[..., 1].mean(0), arr[..., 2]
+        mean, sd = acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else 0 * acc[0]
+        for ax, x in zip(axes, (steps, secs), strict=True):
+            ax.plot(x, mean, marker="o", label=f"{METHODS[m]} ({len(acc)} seeds)")
+            ax.fill_between(x, mean - sd, mean + sd, alpha=0.2)
+    for ax, xl in zip(axes, ("student steps", "student training time (s, sum of step times)")):
+        ax.axhline(
+            teacher, color="k", ls="--", lw=1, label=f"teacher (GRPO 400 steps) {teacher:.3f}"
+        )
+        ax.set_xlabel(xl)
+        ax.set_ylabel("held-out accuracy (avg@4, T=1)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle("Demo task: students from the same SFT warm start, mean +- std over seeds")
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+    some = next(iter(data.values()))
+    steps = [int(s) for s in some[0, :, 0]]
+    print(f"teacher {teacher:.4f}, warm start {start:.4f}")
+    print("| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " | time to last (s) |")
+    print("|---|---|" + "---|" * (len(steps) + 1))
+    for m, arr in data.items():
+        cells = [fmt(arr[:, i, 2]) for i in range(arr.shape[1])]
+        t = arr[:, -1, 1]
+        print(f"| {METHODS[m]} | {len(arr)} | " + " | ".join(cells) + f" | {fmt(t, 1)} |")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
