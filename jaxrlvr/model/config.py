@@ -12,10 +12,15 @@ The dataclass holds exactly the fields the forward pass needs plus the numeric d
 ``scan_layers``. Fields that only matter to other tools
 (token ids, ``torch_dtype``...) ride along in ``hf_config`` so ``to_hf_config`` round-trips them.
 
+Qwen3-MoE may mix dense and sparse layers (transformers' rule: layer i runs the routed block iff
+``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else a dense SwiGLU of
+``intermediate_size``); ``ModelConfig.sparse_layers`` says which, and ``layer_stacks`` where each
+layer's parameters live (``decoder``: the sparse layers in ``model.layers``, the dense ones in
+``model.dense_layers``).
+
 Refused in one line naming the field (``from_hf_config``): sliding-window attention, rope scaling
-other than the default, activations other than SiLU, Qwen2-MoE's shared expert, and Qwen3-MoE
-layouts that mix dense and sparse layers (``mlp_only_layers`` non-empty or ``decoder_sparse_step``
-> 1: no released Qwen3-MoE has one, and a uniform stack keeps the layer scan).
+other than the default, activations other than SiLU, Qwen2-MoE's shared expert, and a Qwen3-MoE
+layout without any sparse layer.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ class ModelConfig:
     weights to sum to 1; ``router_aux_loss_coef`` is the checkpoint's load-balancing coefficient;
     ``router_aux_loss`` (jaxrlvr's switch, not in config.json; off by default, as RL stacks run
     it) adds ``router_aux_loss_coef`` x transformers' load-balancing loss to every update's loss,
-    ``model.moe.add_router_terms``). ``moe_impl``: the MoE block's grouped-matmul kernel
+    ``model.moe.add_router_terms``). ``decoder_sparse_step`` / ``mlp_only_layers``: which layers
+    are sparse (``sparse_layers``; transformers' rule), the others a dense SwiGLU of
+    ``intermediate_size``. ``moe_impl``: the MoE block's grouped-matmul kernel
     (``model.moe``; "auto" picks by backend).
 
     ``remat``: recompute each decoder layer's activations in the backward pass instead of
@@ -130,6 +137,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     router_aux_loss: bool = False
     moe_impl: MoEImpl = "auto"
@@ -146,6 +155,8 @@ class ModelConfig:
         for key in ("dtype", "param_dtype"):
             name = dtype_name(getattr(self, key), argument=f"ModelConfig({key}=...)")
             object.__setattr__(self, key, name)  # frozen: normalised once, here
+        only = tuple(sorted({int(i) for i in self.mlp_only_layers}))
+        object.__setattr__(self, "mlp_only_layers", only)  # hashable (a static jit argument)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -183,6 +194,26 @@ class ModelConfig:
                     f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                     f"num_experts={self.num_experts}"
                 )
+            if int(self.decoder_sparse_step) <= 0:
+                raise ConfigError(
+                    f"model.decoder_sparse_step={self.decoder_sparse_step!r}: must be positive"
+                )
+            only = self.mlp_only_layers
+            bad = [i for i in only if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ConfigError(
+                    f"model.mlp_only_layers has {bad[0]}: not a layer of "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            if not any(self.sparse_layers):
+                raise ConfigError(
+                    f"model.decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                    f"{list(self.mlp_only_layers)}: no sparse layer left (use model_type qwen3)"
+                )
+        elif self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            raise ConfigError(
+                "model.decoder_sparse_step / mlp_only_layers: need model_type='qwen3_moe'"
+            )
         elif self.router_aux_loss:
             raise ConfigError("model.router_aux_loss: needs a MoE model (model_type qwen3_moe)")
         elif self.num_experts:
@@ -198,6 +229,8 @@ class ModelConfig:
         if self.lora is not None and self.is_moe:
             # A MoE block has no dense projections: its router and experts take no adapters (as
             # PEFT's "all-linear" finds no nn.Linear in them), so the targets narrow, once, here.
+            # The dense MLPs of a mixed layout take none either: an adapter on some layers only
+            # is a layer subset, which PEFT's layout (``model.peft``) does not describe.
             kept = tuple(t for t in self.lora.targets if t in ATTENTION_TARGETS)
             if not kept:
                 raise ConfigError(
@@ -214,6 +247,34 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the MLP of every layer is the routed expert block."""
         return self.model_type == "qwen3_moe"
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it runs the routed expert block (transformers'
+        ``Qwen3MoeDecoderLayer``: ``i not in mlp_only_layers and (i + 1) %
+        decoder_sparse_step == 0``); all False for a dense model."""
+        if not self.is_moe:
+            return (False,) * self.num_hidden_layers
+        step, only = self.decoder_sparse_step, set(self.mlp_only_layers)
+        return tuple(i not in only and (i + 1) % step == 0 for i in range(self.num_hidden_layers))
+
+    @property
+    def mixed_layers(self) -> bool:
+        """A Qwen3-MoE with some dense layers (``sparse_layers`` not all True)."""
+        return self.is_moe and not all(self.sparse_layers)
+
+    @property
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """Where each decoder layer's parameters live: stack name (under ``model``) -> the
+        layer indices it holds, in order. ``layers`` holds every layer of a uniform model; a
+        mixed layout keeps its sparse layers there and its dense ones in ``dense_layers``."""
+        if not self.mixed_layers:
+            return {"layers": tuple(range(self.num_hidden_layers))}
+        sparse = self.sparse_layers
+        return {
+            "layers": tuple(i for i, s in enumerate(sparse) if s),
+            "dense_layers": tuple(i for i, s in enumerate(sparse) if not s),
+        }
 
     @property
     def qk_norm(self) -> bool:
@@ -263,14 +324,12 @@ class ModelConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * h
-        if self.is_moe:
-            experts = self.num_experts_per_tok if active else self.num_experts
-            mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
-        else:
-            mlp = 3 * d * f
-        layer = attn + mlp + 2 * d
+        experts = self.num_experts_per_tok if active else self.num_experts
+        sparse_mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        num_sparse = sum(self.sparse_layers)
+        mlp = num_sparse * sparse_mlp + (self.num_hidden_layers - num_sparse) * 3 * d * f
         embed = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embed + d
+        return self.num_hidden_layers * (attn + 2 * d) + mlp + embed + d
 
     def num_non_embedding_params(self) -> int:
         return self.num_params() - self.vocab_size * self.hidden_size * (
@@ -357,17 +416,6 @@ class ModelConfig:
         if model_type != "qwen2":
             fields["attention_bias"] = bool(hf.get("attention_bias", False))
         if model_type == "qwen3_moe":
-            step = hf.get("decoder_sparse_step", 1)
-            if step != 1:
-                raise ConfigError(
-                    f"config.json: decoder_sparse_step={step!r}: mixed dense and sparse layers "
-                    "are not supported (only 1)"
-                )
-            if hf.get("mlp_only_layers"):
-                raise ConfigError(
-                    f"config.json: mlp_only_layers={hf['mlp_only_layers']!r}: mixed dense and "
-                    "sparse layers are not supported (only [])"
-                )
             num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
             fields.update(
                 model_type="qwen3_moe",
@@ -375,6 +423,8 @@ class ModelConfig:
                 num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
                 moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             )
         else:
@@ -440,8 +490,8 @@ class ModelConfig:
                 moe_intermediate_size=self.moe_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
                 router_aux_loss_coef=self.router_aux_loss_coef,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
                 output_router_logits=False,
             )
         return out

@@ -36,6 +36,7 @@ of them).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -207,12 +208,21 @@ class Qwen2MLP(nnx.Module):
 
 
 class Qwen2DecoderLayers(nnx.Module):
-    """All decoder layers, parameters stacked along a leading ``layers`` axis."""
+    """Decoder layers of one kind, parameters stacked along a leading ``layers`` axis: every
+    layer of a uniform model, or (a mixed Qwen3-MoE, ``ModelConfig.layer_stacks``) its
+    ``num_layers`` sparse layers (``sparse``) or its dense ones."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        stack = cfg.num_hidden_layers
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        num_layers: int | None = None,
+        sparse: bool | None = None,
+    ):
+        stack = cfg.num_hidden_layers if num_layers is None else num_layers
         self.self_attn = Attention(cfg, rngs=rngs, stack=stack)
-        if cfg.is_moe:
+        if cfg.is_moe if sparse is None else sparse:
             self.mlp = SparseMoeBlock(cfg, rngs=rngs, stack=stack)
         else:
             self.mlp = Qwen2MLP(cfg, rngs=rngs, stack=stack)
@@ -236,9 +246,23 @@ class Embedding(nnx.Module):
 
 
 class Qwen2Model(nnx.Module):
+    """Embedding, decoder layers and final norm. A mixed Qwen3-MoE layout
+    (``ModelConfig.layer_stacks``) keeps its sparse layers in ``layers`` and its dense ones in
+    ``dense_layers`` (None otherwise): two homogeneous stacks, each scannable."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed_tokens = Embedding(cfg, rngs=rngs)
-        self.layers = Qwen2DecoderLayers(cfg, rngs=rngs)
+        if cfg.mixed_layers:
+            stacks = cfg.layer_stacks
+            self.layers = Qwen2DecoderLayers(
+                cfg, rngs=rngs, num_layers=len(stacks["layers"]), sparse=True
+            )
+            self.dense_layers = Qwen2DecoderLayers(
+                cfg, rngs=rngs, num_layers=len(stacks["dense_layers"]), sparse=False
+            )
+        else:
+            self.layers = Qwen2DecoderLayers(cfg, rngs=rngs)
+            self.dense_layers = None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.storage_dtype)
 
 
@@ -457,7 +481,7 @@ def _decoder_layer(
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 
     h = layer.post_attention_layernorm(x)
-    if cfg.is_moe:
+    if isinstance(mlp, SparseMoeBlock):
         y, router = _moe_mlp(mlp, cfg, h, valid_bt, routes_btk, mesh)
         x = x + y
         x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
@@ -612,6 +636,175 @@ def _run_layers(
     return x, (None, None) if k_cache is None else (tuple(k_out), tuple(v_out)), router
 
 
+def layer_segments(cfg: ModelConfig) -> tuple[tuple[tuple[bool, ...], int], ...]:
+    """How the layer scan runs a mixed Qwen3-MoE layout: (pattern, repeats) segments covering
+    the layers in order, each a ``lax.scan`` of ``repeats`` steps whose body runs the
+    ``pattern``'s layers (True = sparse). A periodic layout is one segment over its smallest
+    period (``decoder_sparse_step`` = 2: ((False, True), L / 2)); any other layout scans its
+    runs of one kind (``mlp_only_layers`` = [0]: ((False,), 1), ((True,), L - 1)). A scan
+    needs identical steps; both forms keep one traced body per distinct pattern, so the compile
+    time stays independent of depth for the layouts Qwen3-MoE configs describe."""
+    kinds = cfg.sparse_layers
+    n = len(kinds)
+    for p in range(1, n):
+        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+            return ((kinds[:p], n // p),)
+    return tuple((kind, len(list(run))) for kind, run in itertools.groupby(kinds, lambda k: (k,)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _run_mixed_layers(
+    sparse_def,
+    dense_def,
+    cfg,
+    mesh,
+    sparse_stack,
+    dense_stack,
+    x,
+    cos,
+    sin,
+    mask_bts,
+    k_cache,
+    v_cache,
+    cache_index,
+    dropout_keys=None,
+    valid_bt=None,
+    routes=None,
+):
+    """``_run_layers`` for a mixed layout: the sparse layers' stack (``model.layers``) and the
+    dense layers' (``model.dense_layers``) run interleaved in layer order. Scanned by
+    ``layer_segments`` (each segment's slice of each stack reshaped to [repeats, per pattern,
+    ...]), or unrolled as ``_run_layers`` is (``scan_layers`` False, one-token decode). Remat
+    wraps each layer. The router output covers every layer's expert ids ([L, B, T, k], -1 on
+    dense layers: the layout of ``routes``, whose dense-layer rows are ignored) and the sparse
+    layers' counts and probability sums ([n_sparse, E])."""
+    b, t = x.shape[:2]
+    kinds = cfg.sparse_layers
+    no_route = jnp.full((b, t, cfg.num_experts_per_tok), -1, jnp.int32)
+
+    def layer(x, params, sparse, k_l, v_l, key_l, routes_l):
+        module = nnx.merge(sparse_def if sparse else dense_def, params)
+        x, k_l, v_l, router = _decoder_layer(
+            module,
+            cfg,
+            x,
+            cos,
+            sin,
+            mask_bts,
+            k_l,
+            v_l,
+            cache_index,
+            mesh,
+            key_l,
+            valid_bt,
+            routes_l if sparse else None,
+        )
+        return x, k_l, v_l, router
+
+    if cfg.remat and k_cache is None:
+        layer = jax.checkpoint(
+            layer, static_argnums=(2,), policy=jax.checkpoint_policies.nothing_saveable
+        )
+
+    def run(x, pattern, sparse_params, dense_params, k_c, v_c, keys, routes_p):
+        """The layers of ``pattern`` on their parameters (leading axis: the pattern's sparse /
+        dense layers) and per-layer caches, keys and routes (leading axis: the pattern)."""
+        ks, vs, ids, counts, probs = [], [], [], [], []
+        si = di = 0
+        for j, sparse in enumerate(pattern):
+            if sparse:
+                params, si = jax.tree.map(lambda a, i=si: a[i], sparse_params), si + 1
+            else:
+                params, di = jax.tree.map(lambda a, i=di: a[i], dense_params), di + 1
+
+            def pick(a, j=j):
+                return a[j]
+
+            x, k_l, v_l, router = layer(
+                x,
+                params,
+                sparse,
+                None if k_c is None else pick(k_c),
+                None if v_c is None else pick(v_c),
+                None if keys is None else pick(keys),
+                None if routes_p is None else pick(routes_p),
+            )
+            ks.append(k_l)
+            vs.append(v_l)
+            if sparse:
+                ids.append(router[0])
+                counts.append(router[1])
+                probs.append(router[2])
+            else:
+                ids.append(no_route)
+        stack = lambda xs: None if not xs or xs[0] is None else jnp.stack(xs)  # noqa: E731
+        return x, (stack(ks), stack(vs), stack(ids), stack(counts), stack(probs))
+
+    def cat(parts):
+        parts = [p for p in parts if p is not None]  # a dense-only segment has no counts
+        return jnp.concatenate(parts) if parts else None
+
+    has_cache = k_cache is not None
+    if cfg.scan_layers and (not has_cache or t > 1):
+        outs = []
+        l0 = s0 = d0 = 0
+        for pattern, repeats in layer_segments(cfg):
+            p, ns = len(pattern), sum(pattern)
+            nd = p - ns
+
+            def group(tree, start, per, repeats=repeats):
+                """Rows [start, start + repeats * per) of ``tree``'s leaves as [repeats, per]."""
+                return jax.tree.map(
+                    lambda a: a[start : start + repeats * per].reshape(repeats, per, *a.shape[1:]),
+                    tree,
+                )
+
+            xs = (
+                group(sparse_stack, s0, ns) if ns else None,
+                group(dense_stack, d0, nd) if nd else None,
+                group(jnp.stack(k_cache), l0, p) if has_cache else None,
+                group(jnp.stack(v_cache), l0, p) if has_cache else None,
+                None if dropout_keys is None else group(dropout_keys, l0, p),
+                None if routes is None else group(routes, l0, p),
+            )
+
+            def body(x, xs, pattern=pattern):
+                return run(x, pattern, *xs)
+
+            x, seg = jax.lax.scan(body, x, xs)
+            outs.append(
+                jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), seg)
+            )
+            l0, s0, d0 = l0 + repeats * p, s0 + repeats * ns, d0 + repeats * nd
+        k_new, v_new, ids, counts, probs = (cat([o[i] for o in outs]) for i in range(5))
+        caches = (tuple(k_new), tuple(v_new)) if has_cache else (None, None)
+        return x, caches, (ids, counts, probs)
+    # Unrolled: each layer on its static slice of its stack and its own cache.
+    k_out, v_out, ids, counts, probs = [], [], [], [], []
+    local = {True: 0, False: 0}
+    for i, sparse in enumerate(kinds):
+        stack_state = sparse_stack if sparse else dense_stack
+        params = jax.tree.map(lambda a, j=local[sparse]: a[j], stack_state)
+        local[sparse] += 1
+        x, k_l, v_l, router = layer(
+            x,
+            params,
+            sparse,
+            None if not has_cache else k_cache[i],
+            None if not has_cache else v_cache[i],
+            None if dropout_keys is None else dropout_keys[i],
+            None if routes is None else routes[i],
+        )
+        k_out.append(k_l)
+        v_out.append(v_l)
+        ids.append(router[0] if sparse else no_route)
+        if sparse:
+            counts.append(router[1])
+            probs.append(router[2])
+    caches = (tuple(k_out), tuple(v_out)) if has_cache else (None, None)
+    return x, caches, (jnp.stack(ids), jnp.stack(counts), jnp.stack(probs))
+
+
 def attention_mask_bts(
     b: int,
     t: int,
@@ -732,38 +925,66 @@ class CausalLM(nnx.Module):
 
         graphdef, stacked = nnx.split(self.model.layers)
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
-        # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack;
-        # its custom scan carries no per-layer inputs or outputs (routes, router statistics).
+        # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack
+        # of a uniform model; its custom scan carries no per-layer inputs or outputs (routes,
+        # router statistics).
         router_io = cfg.is_moe and (with_router or routes is not None or moe.collecting())
-        fused = cache is None and cfg.scan_layers and cfg.remat and not router_io
+        fused = (
+            cache is None
+            and cfg.scan_layers
+            and cfg.remat
+            and not router_io
+            and not cfg.mixed_layers
+        )
         grad_acc = grad_sink.claim(stacked) if fused else None
         # LoRA dropout: only inside an update's ``lora.dropout_rng`` block (training forward).
         key = lora.current_dropout_rng()
         dropout_keys = None
         if key is not None and cache is None and cfg.lora is not None and cfg.lora.dropout > 0:
             dropout_keys = jax.random.split(key, cfg.num_hidden_layers)
-        x, (k_new, v_new), router = _run_layers(
-            graphdef,
-            cfg,
-            mesh,
-            stacked,
-            x,
-            cos,
-            sin,
-            mask_bts,
-            *kv_in,
-            cache_index,
-            grad_acc,
-            dropout_keys,
-            valid_bt,
-            routes,
-        )
+        if cfg.mixed_layers:
+            dense_def, dense_stacked = nnx.split(self.model.dense_layers)
+            x, (k_new, v_new), router = _run_mixed_layers(
+                graphdef,
+                dense_def,
+                cfg,
+                mesh,
+                stacked,
+                dense_stacked,
+                x,
+                cos,
+                sin,
+                mask_bts,
+                *kv_in,
+                cache_index,
+                dropout_keys,
+                valid_bt,
+                routes,
+            )
+        else:
+            x, (k_new, v_new), router = _run_layers(
+                graphdef,
+                cfg,
+                mesh,
+                stacked,
+                x,
+                cos,
+                sin,
+                mask_bts,
+                *kv_in,
+                cache_index,
+                grad_acc,
+                dropout_keys,
+                valid_bt,
+                routes,
+            )
         x = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_new, v=v_new)
         if router is not None:
             ids, counts, prob_sum = router
             num_tokens = jnp.float32(b * t) if valid_bt is None else jnp.sum(valid_bt)
-            router = moe.RouterOutput(ids, counts, prob_sum, num_tokens)
+            layers = tuple(i for i, s in enumerate(cfg.sparse_layers) if s)
+            router = moe.RouterOutput(ids, counts, prob_sum, num_tokens, layers=layers)
             if cache is None:
                 moe.report(cfg, router)  # to an update's ``moe.collect_routers``, if open
         return (x, new_cache, router) if with_router else (x, new_cache)

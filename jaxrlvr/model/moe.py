@@ -71,16 +71,20 @@ class RouterOutput:
     """What the router of every MoE layer saw, for losses, metrics and routing replay.
 
     expert_ids: [L, B, T, k] int32, the experts each token was sent to (forced ones under
-      replay), in top-k order.
-    counts: [L, E] float32, top-k assignments per expert over the valid tokens.
-    prob_sum: [L, E] float32, router probabilities summed per expert over the valid tokens.
+      replay), in top-k order; every decoder layer, -1 on the dense layers of a mixed layout
+      (``ModelConfig.sparse_layers``).
+    counts: [M, E] float32, top-k assignments per expert over the valid tokens, for the M
+      sparse layers.
+    prob_sum: [M, E] float32, router probabilities summed per expert over the valid tokens.
     num_tokens: [] float32, the number of valid tokens (attention mask), per layer.
+    layers: the decoder layer index of each of the M rows of ``counts`` (static; None: 0..M-1).
     """
 
     expert_ids: jax.Array
     counts: jax.Array
     prob_sum: jax.Array
     num_tokens: jax.Array
+    layers: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
 
 def resolve_impl(impl: MoEImpl) -> str:
@@ -274,7 +278,7 @@ def add_router_terms(out, routers: list, num_microbatches: int):
     Metrics (summed over microbatches, hence divided by their number; of the first collected
     forward, the policy's): ``router/aux_loss`` (reported whether or not it is trained),
     ``router/load_max_over_mean`` and ``router/load_entropy`` (means over layers) and the same
-    per layer, ``router/layer{i}/...``."""
+    per sparse layer, ``router/layer{i}/...`` (``i`` the decoder layer)."""
     if not routers:
         return out
     loss, metrics = out
@@ -285,8 +289,9 @@ def add_router_terms(out, routers: list, num_microbatches: int):
             loss = loss + cfg.router_aux_loss_coef * load_balancing_loss(router) * scale
     _, router = routers[0]
     metrics["router/aux_loss"] = load_balancing_loss(router) * scale
+    layers = router.layers or range(router.counts.shape[0])
     for key, per_layer in router_metrics(router).items():
         metrics[f"router/{key}"] = jnp.mean(per_layer) * scale
-        for i in range(per_layer.shape[0]):
-            metrics[f"router/layer{i}/{key}"] = per_layer[i] * scale
+        for row, i in enumerate(layers):
+            metrics[f"router/layer{i}/{key}"] = per_layer[row] * scale
     return loss, metrics

@@ -161,13 +161,15 @@ def read_config(path: str | os.PathLike, num_layers: int) -> lora_lib.LoRAConfig
         raise AdapterError(f"{file}: {e}") from None
 
 
-def _projections(params: nnx.State):
-    """(target, projection sub-state) for every adapted projection of ``params``."""
-    layers = params["model"]["layers"]
-    for t in lora_lib.TARGETS:
-        proj = layers[_GROUP[t]][t]
-        if "lora_a" in proj:
-            yield t, proj
+def _projections(cfg: ModelConfig, params: nnx.State):
+    """(target, stack name, its decoder layers, projection sub-state) for every adapted
+    projection of ``params``, per layer stack (``ModelConfig.layer_stacks``)."""
+    for name, layers in cfg.layer_stacks.items():
+        group = params["model"][name]
+        for t in lora_lib.TARGETS:
+            proj = group[_GROUP[t]][t]
+            if "lora_a" in proj:
+                yield t, name, layers, proj
 
 
 def adapter_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
@@ -178,15 +180,16 @@ def adapter_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndar
     pure = nnx.to_pure_dict(lora_lib.adapters(params)) if isinstance(params, nnx.State) else params
     host = jax.device_get(pure)
     out: dict[str, np.ndarray] = {}
-    group = host["model"]["layers"]
+    r = cfg.lora.rank
     for t in cfg.lora.targets:
-        a = np.asarray(group[_GROUP[t]][t]["lora_a"], np.float32)  # [L, *in, r]
-        b = np.asarray(group[_GROUP[t]][t]["lora_b"], np.float32)  # [L, r, *out]
-        r = cfg.lora.rank
-        for i in range(cfg.num_hidden_layers):
-            name = PREFIX + module_name(t, i)
-            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+        for stack, layers in cfg.layer_stacks.items():
+            group = host["model"][stack]
+            a = np.asarray(group[_GROUP[t]][t]["lora_a"], np.float32)  # [L, *in, r]
+            b = np.asarray(group[_GROUP[t]][t]["lora_b"], np.float32)  # [L, r, *out]
+            for row, i in enumerate(layers):
+                name = PREFIX + module_name(t, i)
+                out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[row].reshape(-1, r).T)
+                out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[row].reshape(r, -1).T)
     return out
 
 
@@ -255,11 +258,11 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State) -
     flat = dict(nnx.to_flat_state(params))
     with safe_open(file, framework="numpy") as f:
         names = set(f.keys())
-        for t, proj in _projections(params):
+        for t, stack, layers, proj in _projections(cfg, params):
             a_var, b_var = proj["lora_a"], proj["lora_b"]
             a_shape, b_shape = a_var.get_value().shape, b_var.get_value().shape
             a_layers, b_layers = [], []
-            for i in range(cfg.num_hidden_layers):
+            for i in layers:
                 name = PREFIX + module_name(t, i)
                 for suffix in ("lora_A.weight", "lora_B.weight"):
                     if f"{name}.{suffix}" not in names:
@@ -275,7 +278,7 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State) -
                     )
                 a_layers.append(a.T.reshape(a_shape[1:]))
                 b_layers.append(b.T.reshape(b_shape[1:]))
-            prefix = ("model", "layers", _GROUP[t], t)
+            prefix = ("model", stack, _GROUP[t], t)
             for key, var, layers in (("lora_a", a_var, a_layers), ("lora_b", b_var, b_layers)):
                 value = np.stack(layers).astype(np.float32)
                 old = var.get_value()

@@ -75,6 +75,8 @@ class _Tensor:
     to_hf: Callable  # (our per-layer array, cfg) -> HF layout
     stack: int = 1  # leading stacked axes of our array: 0, 1 (layers), 2 (layers, experts)
     when: Callable[[ModelConfig], bool] = lambda cfg: True  # noqa: E731
+    # Which decoder layers have it: "all", "sparse" (the MoE block's) or "dense" (a dense MLP's).
+    layers: Literal["all", "sparse", "dense"] = "all"
 
 
 def _identity(w, cfg):
@@ -206,14 +208,14 @@ _TENSORS: tuple[_Tensor, ...] = (
         ("model", "layers", "mlp", "gate", "kernel"),
         _transpose,
         _transpose,
-        when=lambda cfg: cfg.is_moe,
+        layers="sparse",
     ),
     _Tensor(
         _L + "mlp.gate_proj.weight",
         ("model", "layers", "mlp", "gate_proj", "kernel"),
         _transpose,
         _transpose,
-        when=lambda cfg: not cfg.is_moe,
+        layers="dense",
     ),
     _Tensor(
         _L + "mlp.experts.{j}.gate_proj.weight",
@@ -221,14 +223,14 @@ _TENSORS: tuple[_Tensor, ...] = (
         _transpose,
         _transpose,
         stack=2,
-        when=lambda cfg: cfg.is_moe,
+        layers="sparse",
     ),
     _Tensor(
         _L + "mlp.up_proj.weight",
         ("model", "layers", "mlp", "up_proj", "kernel"),
         _transpose,
         _transpose,
-        when=lambda cfg: not cfg.is_moe,
+        layers="dense",
     ),
     _Tensor(
         _L + "mlp.experts.{j}.up_proj.weight",
@@ -236,14 +238,14 @@ _TENSORS: tuple[_Tensor, ...] = (
         _transpose,
         _transpose,
         stack=2,
-        when=lambda cfg: cfg.is_moe,
+        layers="sparse",
     ),
     _Tensor(
         _L + "mlp.down_proj.weight",
         ("model", "layers", "mlp", "down_proj", "kernel"),
         _transpose,
         _transpose,
-        when=lambda cfg: not cfg.is_moe,
+        layers="dense",
     ),
     _Tensor(
         _L + "mlp.experts.{j}.down_proj.weight",
@@ -251,7 +253,7 @@ _TENSORS: tuple[_Tensor, ...] = (
         _transpose,
         _transpose,
         stack=2,
-        when=lambda cfg: cfg.is_moe,
+        layers="sparse",
     ),
     _Tensor(
         _L + "input_layernorm.weight",
@@ -272,17 +274,37 @@ def _active_tensors(cfg: ModelConfig):
     return [t for t in _TENSORS if t.when(cfg)]
 
 
-def _stack_indices(entry: _Tensor, cfg: ModelConfig):
-    """(index tuple, HF name) of every tensor of ``entry``: () for a whole tensor, (i,) per
-    layer, (i, j) per layer and expert."""
-    layers = range(cfg.num_hidden_layers)
+def _placements(entry: _Tensor, cfg: ModelConfig):
+    """(parameter path, decoder layer of each stacked row or None) of ``entry`` in ``cfg``'s
+    model: one per layer stack that has the tensor (``ModelConfig.layer_stacks``: a mixed
+    Qwen3-MoE keeps its dense layers under ``model.dense_layers``)."""
     if entry.stack == 0:
-        return [((), entry.hf_name)]
-    if entry.stack == 1:
-        return [((i,), entry.hf_name.format(i=i)) for i in layers]
-    return [
-        ((i, j), entry.hf_name.format(i=i, j=j)) for i in layers for j in range(cfg.num_experts)
-    ]
+        return [(entry.path, None)]
+    out = []
+    for name, layers in cfg.layer_stacks.items():
+        sparse = cfg.is_moe and name == "layers"
+        if entry.layers == "all" or entry.layers == ("sparse" if sparse else "dense"):
+            out.append(((entry.path[0], name, *entry.path[2:]), layers))
+    return out
+
+
+def _stack_indices(entry: _Tensor, cfg: ModelConfig):
+    """(parameter path, index tuple, HF name) of every tensor of ``entry``: () for a whole
+    tensor, (row,) per layer, (row, j) per layer and expert (row: the layer's place in its
+    stack, i in the HF name)."""
+    out = []
+    for path, layers in _placements(entry, cfg):
+        if layers is None:
+            out.append((path, (), entry.hf_name))
+        elif entry.stack == 1:
+            out += [(path, (r,), entry.hf_name.format(i=i)) for r, i in enumerate(layers)]
+        else:
+            out += [
+                (path, (r, j), entry.hf_name.format(i=i, j=j))
+                for r, i in enumerate(layers)
+                for j in range(cfg.num_experts)
+            ]
+    return out
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -317,7 +339,7 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for entry in _active_tensors(cfg):
         shape = shapes_by_entry[entry.hf_name.removeprefix(_L)]
-        for _, name in _stack_indices(entry, cfg):
+        for _, _, name in _stack_indices(entry, cfg):
             shapes[name] = shape
     return shapes
 
@@ -453,7 +475,8 @@ def load_hf(
         device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     storage = cfg.storage_dtype
 
-    def build(entry: _Tensor, var: nnx.Variable) -> jax.Array:
+    def build(entry: _Tensor, var: nnx.Variable, rows) -> jax.Array:
+        """The parameter ``var`` of ``entry``; ``rows``: the decoder layer of each stacked row."""
         shape = var.get_value().shape
         if mesh is None:
             target = device_sharding
@@ -468,7 +491,7 @@ def load_hf(
         def callback(index):
             if entry.stack == 0:
                 return tensor()[index]
-            layers = range(*index[0].indices(shape[0]))
+            layers = [rows[r] for r in range(*index[0].indices(shape[0]))]
             if entry.stack == 1:
                 return np.stack([tensor(i)[index[1:]] for i in layers])
             experts = range(*index[1].indices(shape[1]))
@@ -478,10 +501,11 @@ def load_hf(
 
     params_by_path = {}
     for entry in _active_tensors(cfg):
-        var = abstract_params
-        for key in entry.path:
-            var = var[key]
-        params_by_path[entry.path] = var.replace(build(entry, var))
+        for path, rows in _placements(entry, cfg):
+            var = abstract_params
+            for key in path:
+                var = var[key]
+            params_by_path[path] = var.replace(build(entry, var, rows))
     if cfg.lora is not None:
         params_by_path.update(nnx.to_flat_state(init_adapters(cfg, seed=lora_seed, mesh=mesh)))
 
@@ -523,12 +547,11 @@ def hf_state_dict(
     host = jax.device_get(pure)
     out: dict[str, np.ndarray] = {}
     for entry in _active_tensors(cfg):
-        arr = host
-        for key in entry.path:
-            arr = arr[key]
-        arr = np.asarray(arr)
-        for index, name in _stack_indices(entry, cfg):
-            out[name] = np.ascontiguousarray(entry.to_hf(arr[index], cfg))
+        for path, index, name in _stack_indices(entry, cfg):
+            arr = host
+            for key in path:
+                arr = arr[key]
+            out[name] = np.ascontiguousarray(entry.to_hf(np.asarray(arr)[index], cfg))
     return out
 
 

@@ -114,8 +114,9 @@ MOE["moe_intermediate_size"] = 8
     [
         ({**QWEN3, "use_sliding_window": True}, "use_sliding_window"),
         ({**QWEN3, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-        ({**MOE, "mlp_only_layers": [1]}, "mlp_only_layers"),
-        ({**MOE, "decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ({**MOE, "mlp_only_layers": [0, 1]}, "no sparse layer"),
+        ({**MOE, "decoder_sparse_step": 3}, "no sparse layer"),
+        ({**MOE, "mlp_only_layers": [2]}, "mlp_only_layers"),
         ({**MOE, "model_type": "qwen2_moe"}, "shared_expert"),
         ({**MOE, "shared_expert_intermediate_size": 8}, "shared_expert_intermediate_size"),
         ({**QWEN3, "hidden_act": "gelu"}, "hidden_act"),
