@@ -122,9 +122,9 @@ def test_round_trip_bit_identical_both_ways(ckpts, tmp_path):
 
 
 @jax.jit
-def _full_forward(params, ids):
+def _full_forward(params, ids, mask):
     graphdef = nnx.graphdef(_SAMPLER_LM)
-    logits, router = nnx.merge(graphdef, params)(ids, with_router=True)
+    logits, router = nnx.merge(graphdef, params)(ids, mask, with_router=True)
     return jax.nn.log_softmax(logits, axis=-1), router
 
 
@@ -140,26 +140,30 @@ def test_sampler_decode_and_routes(ckpts):
     _, lm = ckpts["step2"]
     _SAMPLER_LM = lm
     cfg = lm.config
-    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     sampler = jax_sampler.JaxSampler(lm, eos_token_ids=[])
     params = base.SamplingParams(max_tokens=6, temperature=1.0, seed=0, logprobs=True)
     completions = sampler.generate(prompts, 1, params)
-    for c in completions:
-        full = prompts[c.prompt_index] + c.token_ids
-        logp, router = _full_forward(nnx.state(lm, nnx.Param), jnp.asarray([full[:-1]]))
-        logp = np.asarray(logp)[0]
-        n = len(prompts[c.prompt_index])
-        want = logp[np.arange(n - 1, len(full) - 1), c.token_ids]
+    rows = [prompts[c.prompt_index] + c.token_ids for c in completions]
+    t = max(len(r) for r in rows) - 1
+    ids = np.zeros((len(rows), t), np.int32)
+    mask = np.zeros((len(rows), t), np.int32)
+    for i, r in enumerate(rows):  # right-padded: causal attention leaves real positions alone
+        ids[i, : len(r) - 1], mask[i, : len(r) - 1] = r[:-1], 1
+    logp, router = _full_forward(nnx.state(lm, nnx.Param), jnp.asarray(ids), jnp.asarray(mask))
+    live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))  # [B, T, L, k]
+    dense = ~np.asarray(cfg.sparse_layers)
+    for i, (c, full) in enumerate(zip(completions, rows)):
+        n, m = len(prompts[c.prompt_index]), len(full) - 1
+        want = np.asarray(logp)[i, np.arange(n - 1, m), c.token_ids]
         np.testing.assert_allclose(np.asarray(c.logprobs), want, atol=1e-5, rtol=0)
-        live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))[0]  # [T, L, k]
-        assert c.routes.shape == (len(full) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
-        np.testing.assert_array_equal(c.routes, live)
-        dense = ~np.asarray(cfg.sparse_layers)
+        assert c.routes.shape == (m, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+        np.testing.assert_array_equal(c.routes, live[i, :m])
         assert np.all(c.routes[:, dense] == -1)
         assert np.all((c.routes[:, ~dense] >= 0) & (c.routes[:, ~dense] < cfg.num_experts))
-        assert router.counts.shape == (2, cfg.num_experts) and router.layers == (1, 3)
-        # Every valid token sends k assignments in each sparse layer.
-        np.testing.assert_allclose(np.asarray(router.counts).sum(-1), (len(full) - 1) * 2)
+    assert router.counts.shape == (2, cfg.num_experts) and router.layers == (1, 3)
+    # Every valid token makes k assignments in each sparse layer.
+    np.testing.assert_allclose(np.asarray(router.counts).sum(-1), mask.sum() * 2)
     metrics = moe.add_router_terms((jnp.float32(0), {}), [(cfg, router)], 1)[1]
     assert {"router/layer1/load_entropy", "router/layer3/load_entropy"} <= set(metrics)
     assert "router/layer0/load_entropy" not in metrics
