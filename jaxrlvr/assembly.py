@@ -16,6 +16,8 @@ Not here: the parts themselves (``builders``), the loop (``train``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -25,8 +27,9 @@ from jaxrlvr import builders, distributed, export, phases, placement
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
-from jaxrlvr.data import shards
+from jaxrlvr.data import loading, shards
 from jaxrlvr.phases import base
+from jaxrlvr.rewards import code, grading, verifiers
 
 Mode = Literal["train", "eval", "pairs"]
 
@@ -60,7 +63,7 @@ def assemble(
         purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
         model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
         positions = model.config.max_position_embeddings
-    train_problems, eval_problems = builders.load_splits(cfg, train=mode != "eval")
+    train_problems, eval_problems = load_splits(cfg, train=mode != "eval")
     # Every prompt fits the model before any weight is loaded or step compiled.
     plan = phases.plan(cfg)
     sampled = mode == "pairs" or any(p.samples_train_prompts for p in plan)
@@ -79,7 +82,7 @@ def assemble(
     else:
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
     teachers = load_teachers(cfg, mesh, tokenizer, model.config.vocab_size, train_problems)
-    grader = base.Grader(*builders.build_grader(cfg))
+    grader = build_grader(cfg)
     try:
         sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
         wrappers = {c.sampler_wrapper: c for c in plan if c.sampler_wrapper}
@@ -109,6 +112,47 @@ def assemble(
     return ctx, params
 
 
+def load_splits(
+    cfg: config_lib.TrainConfig, *, train: bool = True
+) -> tuple[list[loading.Problem], list[loading.Problem]]:
+    """``builders.load_splits`` with domains: ``data.domain`` given to the problems without one
+    of their own; a ``data.mixture``'s sources each loaded as its own ``data`` section, every
+    problem given its source's domain, the sources' splits concatenated in the listed order."""
+    d = cfg.data
+    if not d.mixture:
+        splits = builders.load_splits(cfg, train=train)
+        if d.domain is None:
+            return splits
+        return tuple(
+            [p if p.domain else dataclasses.replace(p, domain=d.domain) for p in split]
+            for split in splits
+        )
+    train_problems, eval_problems = [], []
+    for m in d.mixture:
+        source = dataclasses.replace(cfg, data=dataclasses.replace(m.data, template=d.template))
+        tr, ev = builders.load_splits(source, train=train)
+        train_problems += [dataclasses.replace(p, domain=m.domain) for p in tr]
+        eval_problems += [dataclasses.replace(p, domain=m.domain) for p in ev]
+    return train_problems, eval_problems
+
+
+def build_grader(cfg: config_lib.TrainConfig) -> base.Grader:
+    """The run's ``Grader``: ``reward``'s verifier; for a ``data.mixture``, each problem graded
+    by its source's verifier (``verifiers.domain_reward_fn``) within the longest of the
+    sources' per-pair time bounds, on ``reward.num_workers`` workers."""
+    if not cfg.data.mixture:
+        return base.Grader(*builders.build_grader(cfg))
+    fns, timeout_s = {}, 0.0
+    for m in cfg.data.mixture:
+        r = m.reward
+        fns[m.domain] = builders.build_reward_fn(dataclasses.replace(cfg, reward=r))
+        bound = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
+        timeout_s = max(timeout_s, bound)
+    reward_fn = functools.partial(verifiers.domain_reward_fn, fns=fns)
+    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=timeout_s)
+    return base.Grader(reward_fn, pool, by_domain=True)
+
+
 def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int, problems):
     """On-policy distillation's ``TeacherRegistry`` (``rl.algo: distill``; None otherwise):
     each distinct source of ``rl.distill`` loaded once (a folder on ``mesh``, or a vLLM URL),
@@ -119,6 +163,14 @@ def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int,
     from jaxrlvr import teachers as teachers_lib
 
     d = cfg.rl.distill
+    domains = [p.domain or "default" for p in problems]
+    if d.teacher is None:  # a domain without a teacher: refused before any teacher loads
+        for domain in dict.fromkeys(domains):
+            if domain not in d.sources:
+                raise teachers_lib.TeacherError(
+                    f"no teacher for domain {domain!r} (rl.distill.teachers: "
+                    f"{sorted(d.sources)}); add one or set rl.distill.teacher"
+                )
     loaded: dict[str, teachers_lib.Teacher] = {}
     for source in dict.fromkeys(d.sources.values()):
         kwargs = (
@@ -135,6 +187,5 @@ def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int,
         {domain: loaded[src] for domain, src in d.sources.items()},
         default="default" if d.teacher is not None else None,
     )
-    domains = [getattr(p, "domain", None) or "default" for p in problems]
     registry.check(domains, student_vocab_size=vocab_size, student_tokenizer=tokenizer)
     return registry

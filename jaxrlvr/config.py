@@ -114,6 +114,14 @@ class DataSection:
     are split by the seed into this many data shards, each process reading only its own
     (``data.shards``; None: one per process row block, i.e. the process count when the batch
     axes span the processes); a step takes ``rl.prompts_per_step / shards`` prompts from each.
+
+    ``domain``: the domain of these problems (``Problem.domain``) where a data file's ``domain``
+    column gives none; on-policy distillation's ``rl.distill.teachers`` routes by it (None: the
+    "default" teacher). ``mixture``: several tasks in one run (``DataMixtureSource``: a domain,
+    its own ``data`` and ``reward`` sections); every problem of a source has the source's domain,
+    is graded by its reward and warm-started with its ``gold_format``; the training and held-out
+    problems are the sources' concatenated (the top-level ``train``, ``eval`` and ``reward.fn``
+    are then unused; ``template`` applies to all).
     """
 
     train: str = "synthetic"
@@ -136,6 +144,8 @@ class DataSection:
     synthetic_eval_size: int = 200
     gold_format: str = " <answer>{answer}</answer>"
     shards: int | None = None
+    domain: str | None = None
+    mixture: tuple[DataMixtureSource, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +161,16 @@ class RewardSection:
     num_workers: int = 2
     sandbox: SandboxKind = "bwrap"
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataMixtureSource:
+    """One task of ``data.mixture``: its problems (``data``: a ``DataSection`` whose ``train``,
+    ``eval``, sizes and ``gold_format`` apply), their verifier (``reward``) and their domain."""
+
+    domain: str
+    data: DataSection = dataclasses.field(default_factory=lambda: DataSection())
+    reward: RewardSection = dataclasses.field(default_factory=lambda: RewardSection())
 
 
 VLLMDevice = Literal["auto", "cpu", "cuda"]

@@ -77,6 +77,14 @@ def check_data_section(d: config_lib.DataSection) -> None:
         raise ValueError(
             f"data.code_layout must be null, 'mbpp' or 'humaneval', got {d.code_layout!r}"
         )
+    domains = [m.domain for m in d.mixture]
+    if len(set(domains)) != len(domains) or not all(domains):
+        raise ValueError(f"data.mixture: each source needs a domain of its own, got {domains}")
+    for i, m in enumerate(d.mixture):
+        if m.data.mixture:
+            raise ValueError(f"data.mixture[{i}]: a source cannot itself be a mixture")
+        check_data_section(m.data)
+        check_reward_section(m.reward)
 
 
 def check_reward_section(r: config_lib.RewardSection) -> None:

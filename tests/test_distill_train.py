@@ -1,15 +1,15 @@
 """On-policy distillation end to end (issue 41): ``jaxrlvr train`` with ``rl.algo: distill``
 (configs/distill_demo.yaml) on a tiny model whose teachers are Hugging Face folders written here.
 
-- A student that starts as its teacher's copy: the per-token reverse KL is 0 at step 1 (the JAX
-  sampler's log-probs and the teacher's pass are the same computation), on the host
-  (``distill/default/reverse_kl``) and in the update (``distill/reverse_kl``); two teachers,
-  so the host path (``RolloutSource.teacher_scores``) scores.
+- Two tasks in one run (``data.mixture``: the demo's arithmetic and the code demo's functions,
+  each problem graded by its task's verifier), each domain scored by its own teacher: the
+  arithmetic's is the student's copy, so its per-token reverse KL is 0 at step 1 (the JAX
+  sampler's log-probs and the teacher's pass are the same computation), the code's is not.
 - A peaked student (embedding scaled up: low entropy) distilled from a near-uniform random
   teacher: the reverse KL falls over six steps; one local teacher, so it scores on device
   (``Learner.prepare``).
-- A problem domain without a teacher, and a teacher folder that does not exist: one line each,
-  before any step.
+- A problem domain without a teacher (a mixture's, from the config alone), and a teacher folder
+  that does not exist: one line each, before any step.
 """
 
 import json
@@ -33,7 +33,17 @@ RUN = [
     "run.tensorboard=false",
     "sft.steps=0",
 ]
-TINY_MODEL = [a for a in runs.TINY if a.startswith("model.")]
+# Two tasks in one run (``data.mixture``): the demo's arithmetic and the code demo's functions.
+MIXTURE = (
+    "data.mixture=["
+    "{domain: arith, data: {train: synthetic, synthetic: {num_steps: 1, max_operand: 19,"
+    " max_value: 40}, synthetic_train_size: 40, synthetic_eval_size: 8}, reward: {fn: synthetic}},"
+    " {domain: code, data: {train: synthetic_code, synthetic_train_size: 40,"
+    " synthetic_eval_size: 8, gold_format: ' <answer>{solution}</answer>'},"
+    " reward: {fn: code, code: {mode: all_pass}}}]"
+)
+# 80 positions: the code demo's prompts (the mixture test) are longer than the arithmetic's.
+TINY_MODEL = [a for a in runs.TINY if a.startswith("model.")] + ["model.max_position_embeddings=80"]
 
 
 def _save_model(path, seed: int, embed_scale: float) -> str:
@@ -84,20 +94,22 @@ def _rl_lines(run_dir):
 
 
 @pytest.mark.slow
-def test_student_as_its_own_teacher_has_zero_reverse_kl(tmp_path, folders):
-    # A second teacher (for a domain no problem has) makes the registry score on the host
-    # (``RolloutSource.teacher_scores``); one local teacher scores on device (the next test).
+def test_two_tasks_each_scored_by_its_own_teacher(tmp_path, folders):
+    # The arithmetic and code tasks in one run (``data.mixture``), each domain its own teacher:
+    # the arithmetic's is the student itself (reverse KL 0), the code's another model.
     _distill(
         tmp_path / "self",
         folders["plain"],
-        folders["plain"],
+        "null",
         "rl.steps=1",
-        f"rl.distill.teachers={{other: {folders['peaked']}}}",
+        MIXTURE,
+        f"rl.distill.teachers={{arith: {folders['plain']}, code: {folders['peaked']}}}",
     )
     (line,) = _rl_lines(tmp_path / "self")
-    assert "time/teacher_s" in line  # scored on the host
-    assert abs(line["distill/default/reverse_kl"]) < 1e-5
-    assert abs(line["distill/reverse_kl"]) < 1e-5
+    assert abs(line["distill/arith/reverse_kl"]) < 1e-5
+    assert line["distill/code/reverse_kl"] > 0.05
+    # The update's k1 is the token-weighted mean of the two.
+    assert 0.01 < line["distill/reverse_kl"] < line["distill/code/reverse_kl"]
     assert line["distill/teacher_logp"] < -0.1  # a real signal: the tokens are not certain
 
 
@@ -139,6 +151,10 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="needs a teacher"):
         config("rl.distill.teacher=null")
+    # A mixture's domain without a teacher: refused from the config alone.
+    only_code = f"rl.distill.teachers={{code: {folders['plain']}}}"
+    with pytest.raises(preflight.PreflightError, match=r"^data\.mixture: domain 'arith' has no"):
+        preflight.check_teachers(config("rl.distill.teacher=null", MIXTURE, only_code))
     # Teachers by domain, none for the synthetic problems' (no domain: "default") and no default.
     cfg = config("rl.distill.teacher=null", f"rl.distill.teachers={{math: {folders['plain']}}}")
     tokenizer = builders.build_tokenizer(cfg.model)
@@ -186,3 +202,27 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
     assert np.count_nonzero(batch.teacher_logp) == sum(lengths)
     with pytest.raises(ValueError, match="completion 0: 2 values for 3 tokens"):
         rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=[[0.0, 0.0]] * 6)
+
+
+def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
+    from jaxrlvr import assembly
+    from jaxrlvr import config as config_lib
+    from jaxrlvr.data import templates
+
+    cfg = config_lib.load_config(str(runs.REPO / "configs/demo.yaml"), [MIXTURE, *RUN])
+    train, held_out = assembly.load_splits(cfg)
+    assert [p.domain for p in train] == ["arith"] * 40 + ["code"] * 40
+    assert [p.domain for p in held_out] == ["arith"] * 8 + ["code"] * 8
+    arith, code = train[0], train[-1]
+    gold = {m.domain: m.data.gold_format for m in cfg.data.mixture}
+    texts = [templates.render_gold(gold[p.domain], p.answer, p.solution) for p in (arith, code)]
+    grader = assembly.build_grader(cfg)
+    try:
+        # Each gold answer passes its own verifier; swapped, neither does (the arithmetic
+        # verifier reads no integer from a function body; the code one runs "12" as a body).
+        right, _ = grader.grade([arith, code], texts, 1)
+        wrong, _ = grader.grade([arith, code], texts[::-1], 1)
+    finally:
+        grader.close()
+    assert [s["reward"] for s in right] == [1.0, 1.0]
+    assert [s["reward"] for s in wrong] == [0.0, 0.0]

@@ -1,8 +1,9 @@
 """Load MATH-style and GSM8K-style problems from local jsonl/parquet files or a hub dataset.
 
-Each row becomes a ``Problem(question, answer, id)``. The answer comes from ``answer_field`` when
-that is present and non-empty (GSM8K's ``#### N`` tail or a ``\\boxed{}`` inside it is taken),
-otherwise from the last ``\\boxed{}`` of ``solution_field``. Rows without a usable question or
+Each row becomes a ``Problem(question, answer, id, domain=)`` (the row's ``domain`` column, else
+``DataConfig.domain``). The answer comes from ``answer_field`` when that is present and
+non-empty (GSM8K's ``#### N`` tail or a ``\\boxed{}`` inside it is taken), otherwise from the
+last ``\\boxed{}`` of ``solution_field``. Rows without a usable question or
 answer are dropped and counted by reason in ``LoadStats`` (or raise with the row index, when
 ``on_bad_row="raise"``): they are never handed to training where they could score as correct.
 
@@ -32,12 +33,16 @@ class Problem:
 
     ``solution``: a worked solution when the task has one (the scratchpad task's written work,
     which an SFT warm start's ``data.gold_format`` inserts at ``{solution}``); None otherwise.
+    ``domain``: the problem's task or source ("math", "code"): a data file's ``domain`` column,
+    else the dataset's configured name (``data.domain``, a mixture's ``data.mixture[i].domain``);
+    None: no domain of its own (on-policy distillation routes it to the "default" teacher).
     """
 
     question: str
     answer: str
     id: str
     solution: str | None = None
+    domain: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,8 @@ class DataConfig:
       answer_field: column with the final answer (None: always use the solution).
       solution_field: column with a worked solution whose last ``\\boxed{}`` is the answer.
       id_field: column with a stable id (None: ``<file stem>-<row index>``).
+      domain_field: column with each row's domain (absent or empty in a row: ``domain``).
+      domain: the domain of rows without one of their own (None: no domain).
       on_bad_row: ``skip`` (drop and count) or ``raise`` (ValueError naming the row index).
       limit: keep at most this many problems (None: all).
       key: the config key that named the file, for error messages (e.g. ``data.train``).
@@ -76,6 +83,8 @@ class DataConfig:
     answer_field: str | None = "answer"
     solution_field: str | None = "solution"
     id_field: str | None = None
+    domain_field: str | None = "domain"
+    domain: str | None = None
     on_bad_row: OnBadRow = "skip"
     limit: int | None = None
     key: str = "data file"
@@ -272,8 +281,14 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
             reasons[reason] += 1
             continue
         row_id = row.get(cfg.id_field) if cfg.id_field is not None else None
+        domain = row.get(cfg.domain_field) if cfg.domain_field is not None else None
         problems.append(
-            Problem(question=question.strip(), answer=answer, id=str(row_id or f"{stem}-{index}"))
+            Problem(
+                question=question.strip(),
+                answer=answer,
+                id=str(row_id or f"{stem}-{index}"),
+                domain=str(domain) if domain not in (None, "") else cfg.domain,
+            )
         )
     dropped = sum(reasons.values())
     return problems, LoadStats(kept=len(problems), dropped=dropped, reasons=dict(reasons))

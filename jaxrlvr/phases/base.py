@@ -48,11 +48,14 @@ class Grader:
 
     reward_fn: verifiers.RewardFn
     pool: grading.GradingPool
+    # A task mixture's ``verifiers.domain_reward_fn``: each truth is (domain, answer).
+    by_domain: bool = False
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
         """(scores, stats) of ``n`` completions per problem (problem-major)."""
-        truths = [p.answer for p in problems for _ in range(n)]
+        truths = [(p.domain, p.answer) if self.by_domain else p.answer for p in problems]
+        truths = [t for t in truths for _ in range(n)]
         with self._lock:
             return self.pool.grade(self.reward_fn, texts, truths)
 

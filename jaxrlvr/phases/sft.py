@@ -72,10 +72,14 @@ class SFTPhase(base.Phase):
         """SFT pairs as Problems (question = prompt text, answer = response text)."""
         cfg, ctx = self.cfg, self.ctx
         if cfg.sft.data == "gold":
+            # A task mixture: each source's problems take its own gold_format.
+            formats = {m.domain: m.data.gold_format for m in cfg.data.mixture}
             return [
                 loading.Problem(
                     question=ctx.render(p),
-                    answer=templates.render_gold(cfg.data.gold_format, p.answer, p.solution),
+                    answer=templates.render_gold(
+                        formats.get(p.domain, cfg.data.gold_format), p.answer, p.solution
+                    ),
                     id=p.id,
                 )
                 for p in ctx.train_problems

@@ -242,6 +242,16 @@ def make_reward_fn(cfg: RewardConfig) -> RewardFn:
     return functools.partial(_REWARD_FNS[cfg.name], format_weight=cfg.format_weight)
 
 
+def domain_reward_fn(
+    response: str, ground_truth: tuple, *, fns: dict[str, RewardFn]
+) -> dict[str, float]:
+    """A task mixture's reward (``data.mixture``): ``ground_truth`` is (the problem's domain, its
+    truth) and the domain's own verifier in ``fns`` scores the response (picklable as a
+    ``functools.partial`` when each of ``fns`` is)."""
+    domain, truth = ground_truth
+    return fns[domain](response, truth)
+
+
 def make_r1_zero_reward_fn(format_weight: float = 0.0) -> RewardFn:
     """``r1_zero_reward_fn`` with reward = answer + format_weight * format (picklable)."""
     return make_reward_fn(RewardConfig(name="r1_zero", format_weight=format_weight))
