@@ -23,7 +23,7 @@ from typing import Literal
 import jax
 from flax import nnx
 
-from jaxrlvr import builders, distributed, export, phases, placement
+from jaxrlvr import builders, distributed, export, phases, placement, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
@@ -54,7 +54,7 @@ def assemble(
     devices = builders.device_split(cfg.sampler)[0] if train else None
     mesh = model_lib.make_mesh(cfg.mesh, devices)
     if train:
-        builders.check_microbatches_fit_mesh(cfg, mesh)
+        preflight.check_microbatches_fit_mesh(cfg, mesh)
     tokenizer = builders.build_tokenizer(cfg.model)
     if train:
         model = None
@@ -71,7 +71,7 @@ def assemble(
         "data.train": train_problems if sampled else [],
         "data.eval": eval_problems[: cfg.eval.max_problems],
     }
-    builders.check_lengths(cfg.data.template, cfg.sampler, tokenizer, positions, checked)
+    preflight.check_lengths(cfg.data.template, cfg.sampler, tokenizer, positions, checked)
     if model is None:
         model = builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -1,9 +1,9 @@
 """The run's parts, each built from a ``TrainConfig``: the tokenizer, the model (its config, its
 weights, or only its shape), the data splits and their shards, the sampler (the embedded JAX
-sampler or supervised vLLM servers) and the grader (reward function + grading pool), with the
-one-line checks that the phases' batches fit the mesh and the data shards and that the prompts
-fit the model. ``assembly.assemble`` puts them together once for a run; nothing here trains or
-loops (``train``, ``phases``).
+sampler or supervised vLLM servers) and the grader (reward function + grading pool).
+``assembly.assemble`` puts them together once for a run; nothing here trains or loops
+(``train``, ``phases``), and the checks of the config against the mesh, the data shards and the
+prompts are ``preflight``'s (the one module of checks).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, phases, placement, preflight, prompts
+from jaxrlvr import configlib, distributed, placement, preflight, prompts
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import (
@@ -238,109 +238,17 @@ def device_split(s: config_lib.SamplerSection) -> tuple[list | None, list | None
     if s.kind != "jax" or s.jax_devices == 0:
         return None, None
     devices = jax.devices()
-    if s.jax_devices >= len(devices):
-        raise configlib.ConfigKeyError(
-            f"sampler.jax_devices={s.jax_devices}: the host has {len(devices)} devices, and the "
-            "trainer needs at least one"
-        )
+    preflight.check_sampler_devices(s, len(devices))
     return devices[: -s.jax_devices], devices[-s.jax_devices :]
-
-
-def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
-    """One-line config error unless every microbatch's rows divide over the mesh's batch
-    shards ('data' x 'fsdp'), for each phase the run has (``Phase.geometry``), and unless each
-    phase can run in this job (``Phase.check``).
-
-    Unpacked, a step's rows (the rollouts, the SFT batch, the preference pairs) must be a
-    multiple of microbatches x shards (otherwise a microbatch has a remainder or fewer rows than
-    devices, which XLA replicates: "Involuntary full rematerialization"). Packed, the row count
-    is rounded up to such a multiple, so only a multiple above the number of sequences (rows
-    that could only be padding) is refused. A token budget (``rl.max_tokens_per_microbatch``)
-    must hold one row per batch shard, each row at least ``rl.max_tokens_per_row`` positions
-    (longer rows are refused at the step that packs them, by ``rollout.budget_rows``).
-    """
-    shards = step_lib.batch_shard_count(mesh)
-    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
-    plan = phases.plan(cfg)
-    for cls in plan:
-        cls.check(cls.view(cfg), processes=jax.process_count(), shards=shards, where=where)
-    # The train phase's batch first: its message is the one a user of the run meets first.
-    for g in [cls.geometry(cls.view(cfg)) for cls in reversed(plan)]:
-        if g is None:
-            continue
-        n = g.microbatches
-        unit = n * shards
-        if (unit <= g.rows) if g.packed else (g.rows % unit == 0):
-            continue
-        fits = [m for m in range(n, 0, -1) if g.rows % (m * shards) == 0]
-        hint = f"{g.section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
-        raise configlib.ConfigKeyError(
-            f"{g.section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
-            f"{'exceed' if g.packed else 'do not divide'} {g.rows_key} = {g.rows}: each "
-            f"microbatch's rows must split evenly over the batch shards; try {hint}"
-        )
 
 
 def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
     """(the run's number of data shards, the shards this process reads): ``data.shards``, by
-    default one per process row block (``step.process_row_block``); one-line config errors when
-    the shards do not divide the blocks or a phase's batch per step (``Phase.geometry``)."""
+    default one per process row block (``step.process_row_block``), as
+    ``preflight.check_data_shards`` checked it."""
     block, blocks = step_lib.process_row_block(mesh)
-    n = cfg.data.shards or blocks
-    if n % blocks:
-        raise configlib.ConfigKeyError(
-            f"data.shards={n} does not split over the {blocks} process row blocks of this job"
-        )
-    for cls in reversed(phases.plan(cfg)):
-        g = cls.geometry(cls.view(cfg))
-        if g is not None and g.per_shard is not None and g.per_shard[0] % n:
-            count, key = g.per_shard
-            raise configlib.ConfigKeyError(
-                f"{key}={count} is not a multiple of the {n} data shards"
-            )
+    n = preflight.check_data_shards(cfg, blocks)
     return n, shards.owned(n, block, blocks)
-
-
-def check_lengths(
-    template: str,
-    s: config_lib.SamplerSection,
-    tokenizer,
-    max_positions: int,
-    splits: dict[str, list[loading.Problem]],
-) -> None:
-    """One-line config error, before any compute, unless the longest rendered prompt of each
-    split (``{"data.train": ..., "data.eval": ...}``) plus the tokens the sampler may add fits the
-    model's positions and, for vLLM, ``sampler.vllm_max_model_len`` (past them the JAX sampler
-    would have no position left and vLLM would refuse the request mid-run); ``template``:
-    ``data.template``."""
-    budgets = {"data.train": ("sampler.max_tokens", s.max_tokens)}
-    budgets["data.eval"] = (
-        ("sampler.eval_max_tokens", s.eval_max_tokens)
-        if s.eval_max_tokens
-        else ("sampler.max_tokens", s.max_tokens)
-    )
-    limits = [("the model's max_position_embeddings", max_positions)]
-    if s.kind == "vllm":
-        limits.append(("sampler.vllm_max_model_len", s.vllm_max_model_len))
-    for split, problems in splits.items():
-        if not problems:
-            continue
-        lengths = [
-            len(ids)
-            for ids in prompts.encode_many(
-                tokenizer, [prompts.render(template, p, tokenizer) for p in problems]
-            )
-        ]
-        i = max(range(len(lengths)), key=lengths.__getitem__)
-        key, new_tokens = budgets[split]
-        for what, limit in limits:
-            if lengths[i] + new_tokens > limit:
-                raise configlib.ConfigKeyError(
-                    f"{key}={new_tokens}: the longest rendered prompt of {split} "
-                    f"(problem {problems[i].id!r}, {lengths[i]} tokens) plus {new_tokens} new "
-                    f"tokens is {lengths[i] + new_tokens}, more than {what}={limit}; lower {key} "
-                    f"or drop the longest prompts"
-                )
 
 
 def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:

@@ -1,9 +1,29 @@
-"""Checks, before any compute, that what a command will read exists and is what it should be.
+"""Every check of a run's configuration, in the order a user would fix the problems they find.
 
-``check(cfg, mode=...)`` validates a run's inputs (model, tokenizer, data files, the checkpoint
-that eval/export read, the run directory that train writes) and raises :class:`PreflightError`
-with one line naming the config key or argument at the first problem. It reads no weights and
-builds nothing, so a mistyped path costs a second, not an SFT phase.
+1. The config's own values, section by section (``check_config``: ``SECTION_CHECKS`` in
+   ``TrainConfig``'s field order, then ``check_consistency``, the sections against each other).
+   ``TrainConfig.__post_init__`` runs ``check_config``, so every way of making a config (YAML,
+   ``key=value`` overrides, ``TrainConfig(...)`` in code and tests, ``dataclasses.replace``) is
+   checked with no entry point to remember, once per config and in one fixed order (not the
+   YAML's key order); the sections themselves are plain records. A section's message reads
+   ``<section>: <problem>`` (``configlib.ConfigKeyError``).
+2. What a command will read and the machine it runs on (``check(cfg, mode=...)``): the run
+   directory, the method's own needs (routing replay, teachers), the model and tokenizer, the
+   data files (each named by its own problem, say a missing question column, before the batch
+   sizes they must fill), the vLLM interpreter or servers. It reads no weights and builds
+   nothing, so a mistyped path costs a second, not an SFT phase; it raises
+   :class:`PreflightError` with one line naming the config key or argument.
+3. The config against the job and the prompts, which need the devices, the mesh, the tokenizer
+   and the problems (``check_sampler_devices``, ``check_microbatches_fit_mesh``,
+   ``check_data_shards``, ``check_lengths``): ``assembly.assemble`` runs them as soon as each
+   exists, before any weight is loaded.
+
+The phases own their checks (``Phase.check``, ``Phase.geometry``, ``Phase.data_files``); this
+module asks the run's phases (``phases.plan``) for them, importing the phases (and so the model)
+only when a run is checked. The library's own config classes (``PolicyLossConfig``,
+``OptimizerConfig``, ...) keep their invariants at construction: they are used without a run.
+Not here: checks that need a part built (the sandbox's start in ``builders.build_reward_fn``,
+a teacher's vocabulary in ``assembly.load_teachers``, a batch's arrays in ``algos.batch``).
 
 Model and tokenizer sources that are not local directories are Hugging Face hub ids: a copy in the
 local hub cache is used when there is one; otherwise the hub is asked only when it is reachable
@@ -717,6 +737,121 @@ def check_resume_config(cfg: config_lib.TrainConfig) -> list[tuple[str, object, 
     if changes:
         log(f"--resume: continuing with config changes from {path}: {_changes_text(changes)}")
     return changes
+
+
+# ----------------------------------------------------------------------------------------------
+# The config against the job and the prompts: ``assembly.assemble`` runs these as soon as the
+# devices, the mesh, the tokenizer and the problems exist, before any weight is loaded.
+
+
+def check_sampler_devices(s: config_lib.SamplerSection, devices: int) -> None:
+    """``sampler.jax_devices`` leaves the trainer at least one of the host's ``devices``."""
+    if s.kind == "jax" and 0 < s.jax_devices and s.jax_devices >= devices:
+        raise configlib.ConfigKeyError(
+            f"sampler.jax_devices={s.jax_devices}: the host has {devices} devices, and the "
+            "trainer needs at least one"
+        )
+
+
+def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
+    """One-line config error unless every microbatch's rows divide over the mesh's batch
+    shards ('data' x 'fsdp'), for each phase the run has (``Phase.geometry``), and unless each
+    phase can run in this job (``Phase.check``).
+
+    Unpacked, a step's rows (the rollouts, the SFT batch, the preference pairs) must be a
+    multiple of microbatches x shards (otherwise a microbatch has a remainder or fewer rows than
+    devices, which XLA replicates: "Involuntary full rematerialization"). Packed, the row count
+    is rounded up to such a multiple, so only a multiple above the number of sequences (rows
+    that could only be padding) is refused. A token budget (``rl.max_tokens_per_microbatch``)
+    must hold one row per batch shard, each row at least ``rl.max_tokens_per_row`` positions
+    (longer rows are refused at the step that packs them, by ``rollout.budget_rows``).
+    """
+    import jax
+
+    from jaxrlvr import phases
+    from jaxrlvr.algos import step as step_lib
+
+    shards = step_lib.batch_shard_count(mesh)
+    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
+    plan = phases.plan(cfg)
+    for cls in plan:
+        cls.check(cls.view(cfg), processes=jax.process_count(), shards=shards, where=where)
+    # The train phase's batch first: its message is the one a user of the run meets first.
+    for g in [cls.geometry(cls.view(cfg)) for cls in reversed(plan)]:
+        if g is None:
+            continue
+        n = g.microbatches
+        unit = n * shards
+        if (unit <= g.rows) if g.packed else (g.rows % unit == 0):
+            continue
+        fits = [m for m in range(n, 0, -1) if g.rows % (m * shards) == 0]
+        hint = f"{g.section}.microbatches={fits[0]}" if fits else f"a multiple of {shards}"
+        raise configlib.ConfigKeyError(
+            f"{g.section}.microbatches={n} x {shards} batch shards ({where}) = {unit} rows "
+            f"{'exceed' if g.packed else 'do not divide'} {g.rows_key} = {g.rows}: each "
+            f"microbatch's rows must split evenly over the batch shards; try {hint}"
+        )
+
+
+def check_data_shards(cfg: config_lib.TrainConfig, blocks: int) -> int:
+    """The run's number of data shards (``data.shards``, by default one per process row block,
+    of which the job has ``blocks``); one-line config errors when the shards do not divide the
+    blocks or a phase's batch per step (``Phase.geometry``)."""
+    from jaxrlvr import phases
+
+    n = cfg.data.shards or blocks
+    if n % blocks:
+        raise configlib.ConfigKeyError(
+            f"data.shards={n} does not split over the {blocks} process row blocks of this job"
+        )
+    for cls in reversed(phases.plan(cfg)):
+        g = cls.geometry(cls.view(cfg))
+        if g is not None and g.per_shard is not None and g.per_shard[0] % n:
+            count, key = g.per_shard
+            raise configlib.ConfigKeyError(
+                f"{key}={count} is not a multiple of the {n} data shards"
+            )
+    return n
+
+
+def check_lengths(
+    template: str, s: config_lib.SamplerSection, tokenizer, max_positions: int, splits: dict
+) -> None:
+    """One-line config error, before any compute, unless the longest rendered prompt of each
+    split (``{"data.train": problems, "data.eval": problems}``) plus the tokens the sampler may
+    add fits the model's positions and, for vLLM, ``sampler.vllm_max_model_len`` (past them the
+    JAX sampler would have no position left and vLLM would refuse the request mid-run);
+    ``template``: ``data.template``."""
+    from jaxrlvr import prompts
+
+    budgets = {"data.train": ("sampler.max_tokens", s.max_tokens)}
+    budgets["data.eval"] = (
+        ("sampler.eval_max_tokens", s.eval_max_tokens)
+        if s.eval_max_tokens
+        else ("sampler.max_tokens", s.max_tokens)
+    )
+    limits = [("the model's max_position_embeddings", max_positions)]
+    if s.kind == "vllm":
+        limits.append(("sampler.vllm_max_model_len", s.vllm_max_model_len))
+    for split, problems in splits.items():
+        if not problems:
+            continue
+        lengths = [
+            len(ids)
+            for ids in prompts.encode_many(
+                tokenizer, [prompts.render(template, p, tokenizer) for p in problems]
+            )
+        ]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        key, new_tokens = budgets[split]
+        for what, limit in limits:
+            if lengths[i] + new_tokens > limit:
+                raise configlib.ConfigKeyError(
+                    f"{key}={new_tokens}: the longest rendered prompt of {split} "
+                    f"(problem {problems[i].id!r}, {lengths[i]} tokens) plus {new_tokens} new "
+                    f"tokens is {lengths[i] + new_tokens}, more than {what}={limit}; lower {key} "
+                    f"or drop the longest prompts"
+                )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Microbatching that fits the mesh: every microbatch's rows split evenly over the batch shards
 ('data' x 'fsdp'), checked once with a one-line config error
-(``builders.check_microbatches_fit_mesh``)
+(``preflight.check_microbatches_fit_mesh``)
 and on every host batch (``step.check_microbatch_split``); the 1.5B recipes fit 1 and 8 devices."""
 
 import glob
@@ -9,8 +9,8 @@ import os
 import jax
 import pytest
 
-from jaxrlvr import builders, configlib
 from jaxrlvr import config as config_lib
+from jaxrlvr import configlib, preflight
 from jaxrlvr import model as M
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import step
@@ -26,7 +26,7 @@ def _mesh(fsdp: int, data: int = 1):
 def test_unpacked_rows_that_do_not_divide_are_refused_in_one_line():
     cfg = config_lib.load_config(R1_ZERO, ["rl.packing=false", "rl.microbatches=128"])
     with pytest.raises(configlib.ConfigKeyError) as info:
-        builders.check_microbatches_fit_mesh(cfg, _mesh(8))
+        preflight.check_microbatches_fit_mesh(cfg, _mesh(8))
     assert str(info.value) == (
         "rl.microbatches=128 x 8 batch shards (mesh.data=1 x mesh.fsdp=8) = 1024 rows do not "
         "divide rl.prompts_per_step x rl.group_size = 256: each microbatch's rows must split "
@@ -38,7 +38,7 @@ def test_unpacked_rows_that_do_not_divide_are_refused_in_one_line():
 def test_packed_rows_beyond_the_rollouts_are_refused():
     cfg = config_lib.load_config(R1_ZERO, ["rl.microbatches=64"])
     with pytest.raises(configlib.ConfigKeyError, match=r"= 512 rows exceed rl.prompts_per_step"):
-        builders.check_microbatches_fit_mesh(cfg, _mesh(4, data=2))
+        preflight.check_microbatches_fit_mesh(cfg, _mesh(4, data=2))
 
 
 def test_sft_batch_is_checked_too():
@@ -46,8 +46,8 @@ def test_sft_batch_is_checked_too():
         None, ["rl.algo=none", "sft.steps=1", "sft.batch_size=12", "sft.packing=false"]
     )
     with pytest.raises(configlib.ConfigKeyError, match=r"^sft.microbatches=1 x 8 batch shards"):
-        builders.check_microbatches_fit_mesh(cfg, _mesh(8))
-    builders.check_microbatches_fit_mesh(cfg, _mesh(4))  # 12 rows, 4 shards: fits
+        preflight.check_microbatches_fit_mesh(cfg, _mesh(8))
+    preflight.check_microbatches_fit_mesh(cfg, _mesh(4))  # 12 rows, 4 shards: fits
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS, "*1.5b.yaml"))))
@@ -56,7 +56,7 @@ def test_recipes_use_every_device(path):
     1 device too."""
     cfg = config_lib.load_config(path)
     for fsdp in (8, 1):
-        builders.check_microbatches_fit_mesh(cfg, _mesh(fsdp))
+        preflight.check_microbatches_fit_mesh(cfg, _mesh(fsdp))
     rl = cfg.rl
     if rl.algo != "none":
         assert rl.rollouts_per_step == rl.microbatches * 8 * 2

@@ -11,8 +11,8 @@ import pytest
 import runs
 from runs import TINY
 
-from jaxrlvr import builders, configlib, rollout, train
 from jaxrlvr import config as config_lib
+from jaxrlvr import configlib, preflight, rollout, train
 from jaxrlvr import model as M
 
 # The microbatch counts the budget may choose, written out (rollout.row_bucket's k values).
@@ -97,8 +97,8 @@ def test_budget_below_one_row_per_batch_shard_is_refused_at_start():
     )
     mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=4, tensor=1), jax.devices()[:8])
     with pytest.raises(configlib.ConfigKeyError, match=r"^rl.max_tokens_per_microbatch=256 is"):
-        builders.check_microbatches_fit_mesh(cfg, mesh)  # 8 shards x 64 positions = 512
-    builders.check_microbatches_fit_mesh(cfg, M.make_mesh(M.MeshConfig(fsdp=4), jax.devices()[:4]))
+        preflight.check_microbatches_fit_mesh(cfg, mesh)  # 8 shards x 64 positions = 512
+    preflight.check_microbatches_fit_mesh(cfg, M.make_mesh(M.MeshConfig(fsdp=4), jax.devices()[:4]))
 
 
 def _params(run_dir, step):
