@@ -1,6 +1,7 @@
 """Every YAML in configs/ parses into TrainConfig; overrides and bad keys/values give one-line
 errors naming the key."""
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -109,3 +110,37 @@ def test_model_layer_loop_choice_reaches_the_model(override, scan):
         cfg.model, builders.build_tokenizer(cfg.model), mesh=None, seed=cfg.run.seed
     )
     assert lm.config.scan_layers is scan
+
+
+def test_the_config_is_checked_once_in_one_order_whatever_way_it_is_made():
+    # The sections are records: preflight.check_config runs when the TrainConfig is made, in
+    # TrainConfig's field order (sampler before rl), not in the YAML's key order.
+    from jaxrlvr import preflight
+
+    bad_rl = config_lib.RLSection(group_size=1)  # a record: nothing checked yet
+    bad_sampler = config_lib.SamplerSection(jax_devices=-1)
+    expected = "sampler: sampler.jax_devices=-1: must be >= 0"
+    for data in (
+        {"rl": {"group_size": 1}, "sampler": {"jax_devices": -1}},
+        {"sampler": {"jax_devices": -1}, "rl": {"group_size": 1}},
+    ):
+        with pytest.raises(configlib.ConfigKeyError) as e:
+            configlib.build(config_lib.TrainConfig, data)
+        assert str(e.value) == expected
+    with pytest.raises(configlib.ConfigKeyError) as e:  # in code: the same line
+        config_lib.TrainConfig(rl=bad_rl, sampler=bad_sampler)
+    assert str(e.value) == expected
+    good = config_lib.TrainConfig()
+    with pytest.raises(configlib.ConfigKeyError) as e:  # and through dataclasses.replace
+        dataclasses.replace(good, rl=bad_rl)
+    assert str(e.value) == "rl: group_size=1: GRPO needs at least 2 samples per prompt"
+    # A nested section is checked before the section that holds it, and sections against each
+    # other last.
+    keys = [key for key, _ in preflight.SECTION_CHECKS]
+    assert keys.index("rl.distill") < keys.index("rl")
+    with pytest.raises(configlib.ConfigKeyError) as e:
+        configlib.build(
+            config_lib.TrainConfig,
+            {"env": {"tools": ["python"]}, "rl": {"mask_forced_tokens": False}},
+        )
+    assert str(e.value).startswith("TrainConfig: env.tools needs rl.mask_forced_tokens=true")
