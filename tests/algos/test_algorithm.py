@@ -276,6 +276,8 @@ def test_compiled_equals_uncompiled_and_compiles_once(setup):
     assert float(m["loss"]) == pytest.approx(float(eager_m["loss"]), rel=1e-5, abs=1e-6)
     batch, _ = compiled.prepare(state, rollouts)
     state, _ = compiled.update(state, batch)
+    # Private on purpose: the jitted programs and jax's per-function trace cache are the only
+    # witnesses that the second step reused the first one's compilation.
     assert compiled._prepare._cache_size() == 1
     assert compiled._update._cache_size() == 1
     assert jax.tree.map(lambda x: x.sharding, state) == shardings

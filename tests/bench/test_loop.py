@@ -53,6 +53,7 @@ def test_bad_rows_and_overrides_refused(tmp_path, capsys):
 
 
 def test_rows_take_their_overrides():
+    # Private on purpose: the --row parser alone, without starting the runs ``main`` would.
     import argparse
 
     row = loop._parse_row(argparse.ArgumentParser(), "k1:rl.max_staleness=1,sampler.kind=jax")

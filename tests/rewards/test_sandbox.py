@@ -81,6 +81,14 @@ def sandbox_processes(uid_base: int, marker: str | None = None) -> list[int]:
     return found
 
 
+def _wait_until(condition, timeout=5.0):
+    """Polls ``condition`` until it holds or ``timeout`` seconds pass (processes being reaped
+    take a moment to leave /proc): a deadline, not a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def host(box):
     """Checks after the test: no program process is left on the host, the warm sandbox was
@@ -88,7 +96,7 @@ def host(box):
     shared = sandbox.shared_sandbox(CFG)
     starts = shared.starts
     yield shared
-    time.sleep(0.05)
+    _wait_until(lambda: sandbox_processes(shared.uid_base) == [])
     assert sandbox_processes(shared.uid_base) == []
     assert grade(GOOD)["reward"] == 1.0, "grading must go on after a hostile program"
     assert shared.starts == starts, "the hostile program killed the sandbox"
@@ -239,6 +247,8 @@ def test_daemons_do_not_outlive_the_program(host):
         "def f(x):\n    return 0\n"
     )
     assert grade(daemon)["reward"] == 0.0
+    # Not a synchronisation: an absence check needs a child that escaped to have had time to
+    # exec into its marked name (polling for absence would pass before it did).
     time.sleep(0.1)
     assert sandbox_processes(host.uid_base, marker) == []
 
@@ -322,6 +332,8 @@ def test_sandbox_none_warns_and_still_limits(capfd):
 
 
 def test_harness_protocol_survives_malformed_requests(box):
+    # Private on purpose: a malformed line can only be written past the public ``run``, straight
+    # into the harness's stdin, and its reply read back the way ``run`` reads one.
     box._proc.stdin.write(b"not json\n")
     box._proc.stdin.flush()
     reply = box._read_line(time.monotonic() + 5)
@@ -682,7 +694,7 @@ def _harness_host_pid(box: sandbox.Sandbox) -> int:
             pid = int(entry)
             while pid > 1:
                 pid = parent(pid)
-                if pid == box._proc.pid:
+                if pid == box._proc.pid:  # private: the sandbox exposes no pid of its own
                     return int(entry)
         except OSError:
             continue

@@ -6,6 +6,7 @@ exercise left padding in every call.
 """
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -102,15 +103,19 @@ def test_logprobs_equal_full_forward(lm, sampler):
 
 
 # Child process for the bfloat16 check: the same comparison with XLA's excess precision off.
+# It gets the prompts (argv[2], JSON) and ``full_forward_logprobs`` (its source, put between the
+# two halves in the test) from here rather than importing this test module.
 _BF16_CHILD = textwrap.dedent(
     """
     import json, sys
     import numpy as np
     from jaxrlvr import model as M
     from jaxrlvr.sampling import base, jax_sampler
-    sys.path.insert(0, sys.argv[2])
-    from test_jax_sampler import PROMPTS, full_forward_logprobs
-
+    PROMPTS = json.loads(sys.argv[2])
+    """
+)
+_BF16_CHILD_MAIN = textwrap.dedent(
+    """
     lm = M.load_hf(sys.argv[1], dtype="bfloat16")
     params = base.SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
     out = jax_sampler.JaxSampler(lm).generate(PROMPTS, 2, params)
@@ -137,9 +142,9 @@ def test_bfloat16_logprobs_equal_full_forward(ckpt):
     So: 1e-5 with excess precision off (a child process; XLA flags are fixed at JAX import).
     """
     env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false", JAX_PLATFORMS="cpu")
-    here = os.path.dirname(os.path.abspath(__file__))
+    child = _BF16_CHILD + "\n" + inspect.getsource(full_forward_logprobs) + _BF16_CHILD_MAIN
     proc = subprocess.run(
-        [sys.executable, "-c", _BF16_CHILD, str(ckpt[0]), here],
+        [sys.executable, "-c", child, str(ckpt[0]), json.dumps(PROMPTS)],
         capture_output=True,
         text=True,
         env=env,
@@ -309,6 +314,8 @@ def test_rows_decode_through_the_rust_decoder_exactly_as_through_the_tokenizer(s
     assert jax_sampler.backend_decoder(tok) is not None
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, len(tok), n).tolist() for n in rng.integers(1, 24, 200)]
+    # Private on purpose: the decoders are internal to stop-string matching, whose public
+    # behaviour could not show which decoder ran or that each of 200 random rows matches.
     assert sampler._decode_all(rows) == tok.batch_decode(rows, skip_special_tokens=True)
     assert [sampler._decode(r) for r in rows] == [
         tok.decode(r, skip_special_tokens=True) for r in rows

@@ -262,6 +262,7 @@ def test_update_weights_exports_in_place_while_holding_every_servers_lock(
         pass
 
     def fake_export(cfg, weights, directory, **kw):
+        # Private on purpose: the per-server locks are the invariant under test.
         seen["locked"] = [t.lock.locked() for t in sampler._targets]
         seen["kw"] = kw
         raise Stop
