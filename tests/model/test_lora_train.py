@@ -9,9 +9,6 @@ summation order).
 
 import json
 import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,45 +16,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import runs
 from jaxrlvr import checkpoint
 from jaxrlvr import model as M
 from jaxrlvr.algos import algorithm, optim, sft
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.model import lora, peft
 
-REPO = pathlib.Path(__file__).parent.parent.parent
-TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
-    "data.synthetic_train_size=200",
-    "data.synthetic_eval_size=16",
-    "sft.batch_size=16",
-    "rl.prompts_per_step=4",
-    "rl.group_size=4",
-    "eval.max_problems=16",
-    "reward.num_workers=1",
-    "run.progress=false",
-    "run.tensorboard=false",
-]
-
-
-def _jaxrlvr(*args):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
 
 @pytest.mark.slow  # one tiny SFT + GRPO run and an export: ~40 s on the loaded 2-core machine
 def test_lora_run_trains_adapters_only_and_exports_merged_and_peft(tmp_path):
     run_dir = tmp_path / "run"
-    _jaxrlvr(
+    runs.jaxrlvr(
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -70,7 +40,7 @@ def test_lora_run_trains_adapters_only_and_exports_merged_and_peft(tmp_path):
         "model.lora.targets=[q_proj,v_proj,up_proj]",
         "sft.optim.learning_rate=1e-2",
         "optim.learning_rate=1e-2",
-        *TINY,
+        *runs.TINY,
     )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(x["nonfinite"] == 0 for x in lines if "nonfinite" in x)
@@ -101,7 +71,7 @@ def test_lora_run_trains_adapters_only_and_exports_merged_and_peft(tmp_path):
     assert moments == 2 * lora.num_adapter_params(init)
 
     out = tmp_path / "hf"
-    _jaxrlvr("export", str(run_dir), str(out))
+    runs.jaxrlvr("export", str(run_dir), str(out))
     import torch
     import transformers
 
