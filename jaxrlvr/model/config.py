@@ -91,7 +91,7 @@ class ModelConfig:
     layer-loop choices.
 
     ``model_type``: "qwen2" (q/k/v biases), "qwen3" (per-head q/k RMSNorm before RoPE; biases on
-    q/k/v/o when ``attention_bias``) or "qwen3_moe" (Qwen3's attention and, in every layer, the
+    q/k/v/o when ``attention_bias``) or "qwen3_moe" (Qwen3's attention and, in sparse layers, the
     routed expert block of ``num_experts`` experts of width ``moe_intermediate_size``, each token
     sent to ``num_experts_per_tok`` of them; ``norm_topk_prob`` renormalises the chosen gate
     weights to sum to 1; ``router_aux_loss_coef`` is the checkpoint's load-balancing coefficient;
@@ -245,7 +245,7 @@ class ModelConfig:
     # Derived values.
     @property
     def is_moe(self) -> bool:
-        """Whether the MLP of every layer is the routed expert block."""
+        """A Qwen3-MoE: the routed expert block in its sparse layers (``sparse_layers``)."""
         return self.model_type == "qwen3_moe"
 
     @property

@@ -4,7 +4,8 @@ One decoder: the training forward, prefill and one-token decode all run ``_decod
 the form of the attention product differs with the shapes (see ``grouped_attention``). The
 family is configuration (``ModelConfig.model_type``): q/k/v (and o) biases, Qwen3's per-head
 ``q_norm`` / ``k_norm`` (RMSNorm over head_dim, before RoPE), and for Qwen3-MoE the routed
-expert block (``model.moe``) in place of the MLP of every layer.
+expert block (``model.moe``) in place of the MLP of its sparse layers (every layer, or those
+``ModelConfig.sparse_layers`` marks: a mixed layout runs two stacks, ``_run_mixed_layers``).
 
 Attribute names mirror transformers' ``Qwen2ForCausalLM`` (``model.embed_tokens``,
 ``model.layers.self_attn.q_proj``, ``input_layernorm``, ``lm_head``) so the weight map in

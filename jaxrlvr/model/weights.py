@@ -10,8 +10,9 @@ device never materialises whole on one device.
 export (``sampling.weight_export``) call it. ``hf_state_dict`` gives transformers' names and
 layouts; the map is one table, ``_TENSORS``: HF name template, our parameter path, and the
 reshapes between HF's [out, in] matrices and our per-head einsum kernels. Each entry says which
-configs have it (``when``: biases by family, Qwen3's q/k norms, dense MLP or MoE block) and how
-many stacked axes it has (``stack``: 0 whole, 1 per layer ``{i}``, 2 per layer and expert
+configs have it (``when``: biases by family, Qwen3's q/k norms), which layers (``layers``: a
+dense MLP's or the MoE block's, placed through ``ModelConfig.layer_stacks``) and how many
+stacked axes it has (``stack``: 0 whole, 1 per layer ``{i}``, 2 per layer and expert
 ``{j}``: Qwen3-MoE checkpoints store one matrix per expert, ``mlp.experts.{j}.gate_proj.weight``,
 the layout vLLM and the released checkpoints use; transformers >= 5 converts it on load).
 """
