@@ -3,7 +3,7 @@
 # configs: the GRPO teacher (configs/distill_teacher.yaml) exported, the demo's SFT warm start
 # (configs/distill_warmstart.yaml) exported, the teacher's correct samples on the training
 # prompts (scripts/teacher_samples.py), then for each seed the three students at equal steps:
-# on-policy distillation, GRPO, SFT on the teacher's samples (runs of 25/50/75/100 steps: the SFT
+# on-policy distillation, GRPO, SFT on the teacher's samples (runs of 50 and 100 steps: the SFT
 # phase evaluates after its last step). Steps done before are skipped. Every training run takes
 # /tmp/demo.lock so two demo-sized runs never overlap. Then scripts/distill_report.py.
 # Usage: scripts/distill_experiment.sh        (SEEDS="0 1 2", R=runs/distill)
@@ -13,7 +13,7 @@ J=.venv/bin/jaxrlvr
 PY=.venv/bin/python
 R=${R:-runs/distill}
 SEEDS="${SEEDS:-0 1 2}"
-SFT_POINTS="${SFT_POINTS:-25 50 75 100}"
+SFT_POINTS="${SFT_POINTS:-50 100}"
 q=(run.progress=false)
 train() { flock /tmp/demo.lock "$J" train "$@" "${q[@]}" --overwrite; }
 done_run() { [ -f "$1/summary.json" ]; }

@@ -6,7 +6,8 @@ the teacher's and the warm start's summaries; writes OUT_PREFIX.png (held-out ac
 student steps and against the students' cumulative step time, mean over seeds, the band one
 standard deviation) and prints a markdown table (mean +- std over seeds, ddof 1).
 Training time is the sum of the runs' ``time/step_s`` (sampling, teacher pass, grading, update;
-not the evaluations, start-up or compilation outside the first step).
+not the evaluations or start-up) over steps 2..n: step 1 carries the compilation (teacher
+loading included), reported in its own column.
 """
 
 import glob
@@ -41,10 +42,13 @@ def step_times(run):
 
 
 def rl_curve(run):
-    """[(step, seconds, accuracy)] from an RL student's evaluations (step 0 included)."""
-    times = np.concatenate([[0.0], np.cumsum(step_times(run))])
-    hist = read_json(os.path.join(run, "summary.json"))["eval_history"]
-    return [(h["step"], times[h["step"]], h["eval/accuracy"]) for h in hist if h["phase"] != "sft"]
+    """[(step, seconds, accuracy)] from an RL student's evaluations (step 0 included); seconds:
+    the summed step times of steps 2..step."""
+    times = np.concatenate([[0.0, 0.0], np.cumsum(step_times(run)[1:])])
+    summary = read_json(os.path.join(run, "summary.json"))
+    hist = [h for h in summary["eval_history"] if h["phase"] != "sft"]
+    start = [(0, 0.0, summary["eval_accuracy_after_sft"])]
+    return start + [(h["step"], times[h["step"]], h["eval/accuracy"]) for h in hist]
 
 
 def sft_curve(runs, start_acc):
@@ -53,7 +57,7 @@ def sft_curve(runs, start_acc):
     for run in runs:
         n = int(re.search(r"_n(\d+)$", run).group(1))
         acc = read_json(os.path.join(run, "summary.json"))["eval_accuracy_final"]
-        points.append((n, float(step_times(run).sum()), acc))
+        points.append((n, float(step_times(run)[1:].sum()), acc))
     return sorted(points)
 
 
@@ -109,15 +113,28 @@ def main(root="runs/distill", out="docs/experiments/distillation"):
     fig.suptitle("Demo task: students from the same SFT warm start, mean +- std over seeds")
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=110)
-    some = next(iter(data.values()))
-    steps = [int(s) for s in some[0, :, 0]]
+    steps = sorted({int(x) for arr in data.values() for x in arr[0, :, 0]})
     print(f"teacher {teacher:.4f}, warm start {start:.4f}")
-    print("| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " | time to last (s) |")
-    print("|---|---|" + "---|" * (len(steps) + 1))
+    print(
+        "| method | seeds | "
+        + " | ".join(f"step {s}" for s in steps)
+        + f" | time of steps 2-{steps[-1]} (s) | median step (s) | step 1 (s, compiles) |"
+    )
+    print("|---|---|" + "---|" * (len(steps) + 3))
     for m, arr in data.items():
-        cells = [fmt(arr[:, i, 2]) for i in range(arr.shape[1])]
-        t = arr[:, -1, 1]
-        print(f"| {METHODS[m]} | {len(arr)} | " + " | ".join(cells) + f" | {fmt(t, 1)} |")
+        at = {int(x): i for i, x in enumerate(arr[0, :, 0])}
+        cells = [fmt(arr[:, at[s], 2]) if s in at else "-" for s in steps]
+        last = int(arr[0, -1, 0])
+        pattern = f"{m}_s*" if m != "sft_teacher" else f"{m}_s*_n{last}"
+        done = sorted(glob.glob(os.path.join(root, pattern, "summary.json")))
+        times = [step_times(os.path.dirname(r)) for r in done]
+        first = [t[0] for t in times]
+        median = [float(np.median(t[1:])) for t in times]
+        print(
+            f"| {METHODS[m]} | {len(arr)} | "
+            + " | ".join(cells)
+            + f" | {fmt(arr[:, -1, 1], 1)} | {fmt(median)} | {fmt(first, 1)} |"
+        )
 
 
 if __name__ == "__main__":
