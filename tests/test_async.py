@@ -9,6 +9,7 @@ run's parameters.
 The vLLM path is tested in tests/sampling/test_async_vllm.py (it needs the session's server).
 """
 
+import dataclasses
 import json
 import pathlib
 import signal
@@ -233,14 +234,7 @@ def test_producer_refuses_a_batch_older_than_k():
         prompts=[[1]],
         completions=[
             c,
-            base.Completion(
-                prompt_index=0,
-                token_ids=[1],
-                logprobs=[-0.1],
-                text="",
-                finish_reason="stop",
-                weight_version=4,
-            ),
+            dataclasses.replace(c, weight_version=4),
         ],
         metrics={},
     )
