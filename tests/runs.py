@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -32,6 +33,19 @@ TINY = [
 ]
 
 
+def vllm_python() -> str:
+    """The vLLM environment's interpreter (env ``JAXRLVR_VLLM_PYTHON``); the calling test is
+    skipped without it locally and failed without it in CI (env ``CI`` set)."""
+    import pytest
+
+    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
+        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    return python
+
+
 def env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device, like a user's laptop
@@ -45,6 +59,38 @@ def jaxrlvr(*args, timeout=900, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def launch(*args, pipe=True):
+    """``jaxrlvr *args`` started in a subprocess. With ``pipe=False`` (a run left to itself in
+    the background: tiny runs are mostly single-threaded Python, so two side by side take about
+    the time of one on CI's two cores) its output goes to temporary files, which no full pipe
+    can stall; ``wait`` collects it either way."""
+    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
+    if pipe:
+        out = err = subprocess.PIPE
+    else:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=out, stderr=err, text=True)
+    proc.output_files = None if pipe else (out, err)
+    return proc
+
+
+def wait(proc, timeout=900, check=True):
+    """Waits for a ``launch``-ed run (asserts it exited 0 unless not ``check``); returns its
+    (stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    if proc.output_files:
+        for f in proc.output_files:
+            f.seek(0)
+        out, err = (f.read() for f in proc.output_files)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{proc.args} failed ({proc.returncode}):\n{out}\n{err}")
+    return out, err
 
 
 def final_params(run_dir):
@@ -66,10 +112,7 @@ def start_until_lines(args, run_dir, min_lines, timeout=900):
     ``min_lines`` metrics lines (a poll with a deadline); the run must still be going."""
     import time
 
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", *args]
-    proc = subprocess.Popen(
-        cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = launch(*args)
     metrics = pathlib.Path(run_dir) / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

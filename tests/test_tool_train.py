@@ -7,6 +7,7 @@ import signal
 
 import numpy as np
 import pytest
+
 import runs
 
 pytestmark = pytest.mark.slow
@@ -36,23 +37,55 @@ TOOL_TINY = [
 ]
 
 
+GRPO = ["train", "configs/tool_demo.yaml", *TOOL_TINY, "rl.steps=4", "rl.max_staleness=1"]
+PPO = [
+    "train",
+    "configs/tool_demo.yaml",
+    *TOOL_TINY,
+    "rl.algo=ppo",
+    "rl.steps=2",
+    # A reward for a closed answer block, so that returns (and the value loss) are not all
+    # zero while the tiny model still gets the products wrong.
+    "reward.format_weight=0.5",
+]
+
+
 def _metrics(run_dir):
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
 
-def test_grpo_with_async_tool_rollouts_trains_checkpoints_and_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def background(tmp_path_factory):
+    """The runs that nothing interrupts, started at once in the background (each mostly one
+    core of Python): {"ref": (uninterrupted GRPO run dir, process), "ppo": (...)}."""
+    root = tmp_path_factory.mktemp("tool_train")
+    ref, ppo = root / "uninterrupted", root / "ppo"
+    started = {
+        "ref": (ref, runs.launch(*GRPO, f"run.out_dir={ref}", pipe=False)),
+        "ppo": (ppo, runs.launch(*PPO, f"run.out_dir={ppo}", pipe=False)),
+    }
+    yield started
+    for _, proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_grpo_with_async_tool_rollouts_trains_checkpoints_and_resumes(background, tmp_path):
     """Stopped by SIGTERM during GRPO with asynchronous multi-turn rollouts, then resumed: the
     same final parameters as a run never stopped (the batch in flight, trajectories included,
     comes back from the checkpoint)."""
-    ref, run = tmp_path / "uninterrupted", tmp_path / "run"
-    common = ["train", "configs/tool_demo.yaml", *TOOL_TINY, "rl.steps=4", "rl.max_staleness=1"]
-    runs.jaxrlvr(*common, f"run.out_dir={ref}")
+    run = tmp_path / "run"
+    common = GRPO
+    # The uninterrupted reference runs meanwhile (``background``).
     proc = runs.start_until_lines([*common, f"run.out_dir={run}"], run, 151)  # 150 SFT + 1 RL
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "SIGTERM: saved checkpoint step" in err
     runs.jaxrlvr(*common, f"run.out_dir={run}", "--resume")
+    ref, ref_proc = background["ref"]
+    runs.wait(ref_proc)
     runs.assert_same_params(runs.final_params(ref), runs.final_params(run))
     rows = _metrics(run)
     rl_rows = [r for r in rows if "reward_mean" in r]
@@ -73,19 +106,9 @@ def test_grpo_with_async_tool_rollouts_trains_checkpoints_and_resumes(tmp_path):
     assert len(steps) == len(set(steps))
 
 
-def test_ppo_trains_on_multi_turn_rollouts(tmp_path):
-    run = tmp_path / "run"
-    runs.jaxrlvr(
-        "train",
-        "configs/tool_demo.yaml",
-        f"run.out_dir={run}",
-        *TOOL_TINY,
-        "rl.algo=ppo",
-        "rl.steps=2",
-        # A reward for a closed answer block, so that returns (and the value loss) are not all
-        # zero while the tiny model still gets the products wrong.
-        "reward.format_weight=0.5",
-    )
+def test_ppo_trains_on_multi_turn_rollouts(background):
+    run, proc = background["ppo"]
+    runs.wait(proc)
     rl_rows = [r for r in _metrics(run) if "reward_mean" in r]
     assert len(rl_rows) == 2
     for r in rl_rows:
