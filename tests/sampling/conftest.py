@@ -180,6 +180,26 @@ def tiny_export(tmp_path_factory):
     return {"dir": directory, "cfg": cfg, "graphdef": graphdef, "params": params, "tokenizer": tok}
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "kills_vllm_server: leaves the session's vLLM server dead (run after its other users)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that kill the session's server run after every other test of this folder: a
+    restart costs a server start (~25 s), and this way only the killing tests pay for one."""
+    here = pathlib.Path(__file__).parent
+    ours = [i for i, item in enumerate(items) if here in pathlib.Path(item.path).parents]
+    if not ours:
+        return
+    block = items[ours[0] : ours[-1] + 1]
+    killing = [item for item in block if item.get_closest_marker("kills_vllm_server")]
+    rest = [item for item in block if not item.get_closest_marker("kills_vllm_server")]
+    items[ours[0] : ours[-1] + 1] = rest + killing
+
+
 @pytest.fixture(scope="session")
 def _vllm_server_session(vllm_python, tiny_export, tmp_path_factory):
     from jaxrlvr.sampling import vllm_server

@@ -6,13 +6,16 @@ import pytest
 
 from jaxrlvr.sampling import base, vllm_sampler
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.kills_vllm_server]
 
 ATOL = 1e-4
 
 
 def _kill_on_reload(sampler, server):
-    """Kills the server at the moment the reload request is sent (deterministic timing)."""
+    """Kills the server at the moment the reload request is sent (deterministic timing).
+
+    Wraps the sampler's private ``_post`` on purpose: the one place that sees the reload
+    request leave, which no public hook exposes."""
     post = sampler._post
     killed = []
 
