@@ -6,9 +6,10 @@ config classes where one exists (``PolicyLossConfig``, ``AdvantageConfig``, ``Op
 ``MeshConfig``, ``DistributedConfig``) rather than re-declaring their fields.
 
 The sections are plain records: a ``__post_init__`` here only normalises a value's type or
-spelling. Their checks, and those of the sections against each other, live with the run's
-other checks in ``preflight`` (``check_config``), which ``TrainConfig`` runs when it is made;
-the library's classes keep their own invariants (they are also used without a run).
+spelling. Their checks, and those of the sections against each other, are one function at the
+end of this module (``check_config``, in ``TrainConfig``'s field order), which ``TrainConfig``
+runs when it is made; what the config needs of the world (files, the hub, servers, the mesh) is
+``preflight``'s. The library's classes keep their own invariants (they are used without a run).
 """
 
 from __future__ import annotations
@@ -503,10 +504,246 @@ class TrainConfig:
 
     def __post_init__(self):
         # Every way of making a run's config (YAML, overrides, code, dataclasses.replace) is
-        # checked here, once, in one order: preflight.check_config (the sections are records).
-        from jaxrlvr import preflight  # preflight imports this module
+        # checked here, once, in one order (the sections are records).
+        check_config(self)
 
-        preflight.check_config(self)
+
+# ----------------------------------------------------------------------------------------------
+# The config's own values: each section (``SECTION_CHECKS``), then the sections against each other
+# (``check_consistency``). ``TrainConfig.__post_init__`` runs ``check_config``, so every way of
+# making a config (YAML, overrides, ``TrainConfig(...)`` in code, ``dataclasses.replace``) is
+# checked, once, in one order. They live here, not in ``preflight`` with the run's other checks,
+# because what ``TrainConfig`` runs may import nothing that imports this module (no import cycle,
+# not even a lazy one: tests/test_package_imports.py), and ``preflight`` asks the phases.
+
+
+def check_model_section(m: ModelSection) -> None:
+    if m.path is None and m.tokenizer is None:
+        raise ValueError("model.tokenizer is required when model.path is not set")
+
+
+def check_data_section(d: DataSection) -> None:
+    if d.shards is not None and d.shards < 1:
+        raise ValueError(f"data.shards must be an integer >= 1 or null, got {d.shards!r}")
+    if d.code_layout not in (None, "mbpp", "humaneval"):
+        raise ValueError(
+            f"data.code_layout must be null, 'mbpp' or 'humaneval', got {d.code_layout!r}"
+        )
+    domains = [m.domain for m in d.mixture]
+    if len(set(domains)) != len(domains) or not all(domains):
+        raise ValueError(f"data.mixture: each source needs a domain of its own, got {domains}")
+    for i, m in enumerate(d.mixture):
+        if m.data.mixture:
+            raise ValueError(f"data.mixture[{i}]: a source cannot itself be a mixture")
+        check_data_section(m.data)
+        check_reward_section(m.reward)
+
+
+def check_reward_section(r: RewardSection) -> None:
+    if r.sandbox not in ("bwrap", "none"):
+        raise ValueError(f"reward.sandbox must be 'bwrap' or 'none', got {r.sandbox!r}")
+
+
+def check_sampler_section(s: SamplerSection) -> None:
+    """The sampling parameters (by ``SamplingParams``, the samplers' one validation, now rather
+    than at the first rollout or evaluation), the vLLM servers' address and GPU placement."""
+    from jaxrlvr import placement
+    from jaxrlvr.sampling import base as sampling_base
+    from jaxrlvr.sampling import bind
+
+    sampling_base.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        thinking_budget=s.thinking_budget,
+    )
+    eval_max_tokens = s.max_tokens if s.eval_max_tokens is None else s.eval_max_tokens
+    try:
+        sampling_base.SamplingParams(temperature=s.eval_temperature, max_tokens=eval_max_tokens)
+    except ValueError as e:
+        raise ValueError(f"eval_{e}") from None
+    bind.check_bind_host(
+        s.vllm_host,
+        s.vllm_allow_remote_dev_endpoints,
+        key="sampler.vllm_host",
+        allow_flag="sampler.vllm_allow_remote_dev_endpoints=true",
+    )
+    loss_config.check_literal("sampler.vllm_device", s.vllm_device, VLLMDevice)
+    loss_config.check_literal("sampler.vllm_dtype", s.vllm_dtype, VLLMDType)
+    if s.jax_devices < 0:
+        raise ValueError(f"sampler.jax_devices={s.jax_devices}: must be >= 0")
+    if s.jax_dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"sampler.jax_dtype={s.jax_dtype!r}: expected float32, bfloat16 or null")
+    if s.vllm_num_servers < 1:
+        raise ValueError(f"sampler.vllm_num_servers={s.vllm_num_servers}: must be >= 1")
+    gpus = list(s.vllm_gpus)
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"sampler.vllm_gpus={gpus!r}: expected distinct GPU numbers >= 0")
+    if gpus and s.vllm_device == "cpu":
+        raise ValueError(f"sampler.vllm_gpus={gpus!r}: needs sampler.vllm_device cuda or auto")
+    if gpus and s.vllm_urls:
+        raise ValueError(
+            f"sampler.vllm_gpus={gpus!r}: only for servers jaxrlvr starts, not with "
+            "sampler.vllm_urls"
+        )
+    if gpus:
+        placement.split_groups(gpus, s.vllm_num_servers)
+    for key in ("vllm_gpu_memory_utilization", "vllm_trainer_memory_fraction"):
+        value = getattr(s, key)
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"sampler.{key}={value!r}: expected a fraction in (0, 1]")
+    if s.vllm_colocate:
+        fraction = s.vllm_trainer_memory_fraction or placement.COLOCATED_TRAINER_FRACTION
+        util = s.vllm_gpu_memory_utilization or placement.COLOCATED_SERVER_UTILIZATION
+        if fraction + util > placement.MAX_COLOCATED_SUM:
+            raise ValueError(
+                f"sampler.vllm_colocate: vllm_trainer_memory_fraction={fraction:g} + "
+                f"vllm_gpu_memory_utilization={util:g} = {fraction + util:g} leaves no room "
+                f"for the CUDA contexts; keep the sum <= {placement.MAX_COLOCATED_SUM:g}"
+            )
+
+
+def check_distill_section(d: DistillSection) -> None:
+    if not d.kl_coef >= 0 or not d.reward_coef >= 0:
+        raise ValueError(
+            f"rl.distill: kl_coef={d.kl_coef!r} and reward_coef={d.reward_coef!r} must be >= 0"
+        )
+
+
+def check_rl_section(rl: RLSection) -> None:
+    for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
+        if getattr(rl, key) < (0 if key == "steps" else 1):
+            raise ValueError(f"{key}={getattr(rl, key)!r} must be positive")
+    if not (isinstance(rl.max_staleness, int) and rl.max_staleness >= 0):
+        raise ValueError(f"rl.max_staleness={rl.max_staleness!r}: expected an int >= 0")
+    if rl.max_staleness > 0 and rl.algo not in ("grpo", "ppo", "expert_iteration", "distill"):
+        raise ValueError(
+            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts need an online "
+            f"algorithm (grpo, ppo, expert_iteration), not rl.algo={rl.algo!r}"
+        )
+    corr = rl.loss.correction
+    if (
+        rl.max_staleness > 0
+        and not rl.behaviour_logprobs
+        and corr.mode != "none"
+        and corr.source != "both"
+    ):
+        raise ValueError(
+            f"rl.loss.correction.source={corr.source!r} with rl.max_staleness="
+            f"{rl.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
+            "version that sampled), or source 'both'"
+        )
+    if rl.routing_replay not in ("none", "r3", "r2"):
+        raise ValueError(f"rl.routing_replay={rl.routing_replay!r}: expected one of none, r3, r2")
+    if rl.max_tokens_per_row is not None and rl.max_tokens_per_row < 1:
+        raise ValueError(f"rl.max_tokens_per_row={rl.max_tokens_per_row!r} must be >= 1")
+    budget = rl.max_tokens_per_microbatch
+    if budget is not None:
+        key = f"rl.max_tokens_per_microbatch={budget!r}"
+        if not (isinstance(budget, int) and budget >= 1):
+            raise ValueError(f"{key}: expected an int >= 1 or null")
+        if not rl.packing or rl.preference:
+            raise ValueError(
+                f"{key}: a token budget fills packed rollout rows; it needs rl.packing=true "
+                "and an online algorithm (grpo, ppo, expert_iteration)"
+            )
+        if rl.microbatches != 1:
+            raise ValueError(
+                f"{key}: the budget chooses each step's microbatch count; leave "
+                f"rl.microbatches at 1, not {rl.microbatches}"
+            )
+        if rl.max_tokens_per_row is not None and budget < rl.max_tokens_per_row:
+            raise ValueError(
+                f"{key} is less than one row of rl.max_tokens_per_row="
+                f"{rl.max_tokens_per_row} positions"
+            )
+    if rl.algo == "distill" and not rl.distill.sources:
+        raise ValueError(
+            "rl.algo=distill needs a teacher: rl.distill.teacher (a folder or a vLLM URL) "
+            "or rl.distill.teachers (domain -> folder or URL)"
+        )
+    if rl.algo == "grpo" and rl.group_size < 2:
+        raise ValueError(f"group_size={rl.group_size}: GRPO needs at least 2 samples per prompt")
+
+
+def check_pref_section(p: PrefSection) -> None:
+    if p.batch_size < 1:
+        raise ValueError(f"pref.batch_size={p.batch_size!r} must be positive")
+
+
+def check_checkpoint_section(c: CheckpointSection) -> None:
+    if not (isinstance(c.every, int) and c.every >= 0):
+        raise ValueError(f"checkpoint.every={c.every!r}: expected an int >= 0")
+    if not (isinstance(c.keep, int) and c.keep >= 1):
+        raise ValueError(f"checkpoint.keep={c.keep!r}: expected an int >= 1")
+
+
+def check_env_section(e: EnvSection) -> None:
+    for t in e.tools:
+        loss_config.check_literal("env.tools", t, ToolName)
+    if len(set(e.tools)) != len(e.tools):
+        raise ValueError(f"env.tools={list(e.tools)}: a tool is named twice")
+    for name in ("max_turns", "max_output_chars", "num_workers"):
+        value = getattr(e, name)
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"env.{name}={value!r}: expected an int >= 1")
+    if e.max_tokens_per_turn is not None and not (
+        isinstance(e.max_tokens_per_turn, int) and e.max_tokens_per_turn >= 1
+    ):
+        raise ValueError(
+            f"env.max_tokens_per_turn={e.max_tokens_per_turn!r}: expected None or an int >= 1"
+        )
+
+
+# (dotted section, its check) in the order of TrainConfig's fields; a nested section before the
+# section that holds it (as YAML builds them).
+SECTION_CHECKS = (
+    ("model", check_model_section),
+    ("data", check_data_section),
+    ("reward", check_reward_section),
+    ("sampler", check_sampler_section),
+    ("rl.distill", check_distill_section),
+    ("rl", check_rl_section),
+    ("pref", check_pref_section),
+    ("checkpoint", check_checkpoint_section),
+    ("env", check_env_section),
+)
+
+
+def check_consistency(cfg: TrainConfig) -> None:
+    """The sections against each other (each one's own values already checked)."""
+    if cfg.env.tools:
+        if not cfg.rl.mask_forced_tokens:
+            raise ValueError(
+                "env.tools needs rl.mask_forced_tokens=true (tool outputs are not the "
+                "policy's tokens and must stay out of the loss)"
+            )
+        if cfg.sampler.thinking_budget is not None:
+            raise ValueError("env.tools cannot be combined with sampler.thinking_budget")
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The config's own values, section by section (``SECTION_CHECKS``), then the sections
+    against each other (``check_consistency``): one line, ``<section>: <problem>``, at the first
+    problem (``configlib.ConfigKeyError``, or the check's own error when it is one)."""
+    for key, check_section in SECTION_CHECKS:
+        section = cfg
+        for part in key.split("."):
+            section = getattr(section, part)
+        try:
+            check_section(section)
+        except configlib.ConfigKeyError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise configlib.ConfigKeyError(f"{key}: {e}") from None
+    try:
+        check_consistency(cfg)
+    except configlib.ConfigKeyError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise configlib.ConfigKeyError(f"TrainConfig: {e}") from None
 
 
 def load_config_dict(path: str, _seen: tuple[str, ...] = ()) -> dict:

@@ -113,10 +113,8 @@ def test_model_layer_loop_choice_reaches_the_model(override, scan):
 
 
 def test_the_config_is_checked_once_in_one_order_whatever_way_it_is_made():
-    # The sections are records: preflight.check_config runs when the TrainConfig is made, in
+    # The sections are records: config.check_config runs when the TrainConfig is made, in
     # TrainConfig's field order (sampler before rl), not in the YAML's key order.
-    from jaxrlvr import preflight
-
     bad_rl = config_lib.RLSection(group_size=1)  # a record: nothing checked yet
     bad_sampler = config_lib.SamplerSection(jax_devices=-1)
     expected = "sampler: sampler.jax_devices=-1: must be >= 0"
@@ -136,7 +134,7 @@ def test_the_config_is_checked_once_in_one_order_whatever_way_it_is_made():
     assert str(e.value) == "rl: group_size=1: GRPO needs at least 2 samples per prompt"
     # A nested section is checked before the section that holds it, and sections against each
     # other last.
-    keys = [key for key, _ in preflight.SECTION_CHECKS]
+    keys = [key for key, _ in config_lib.SECTION_CHECKS]
     assert keys.index("rl.distill") < keys.index("rl")
     with pytest.raises(configlib.ConfigKeyError) as e:
         configlib.build(
