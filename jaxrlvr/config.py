@@ -267,6 +267,11 @@ class DistillSection:
     ``teachers``: teachers by a problem's domain (domain -> folder or URL; problems without a
     domain of their own are domain "default"). A problem whose domain has no teacher is refused
     before any compute unless ``teacher`` is set.
+
+    ``signal``: "reverse_kl" (the advantage above) or "jsd": the generalised JSD (``beta`` 0
+    forward KL, 1 reverse KL; both distributions softmax(logits / ``temperature``)) over the
+    teacher's ``top_k`` most likely tokens at each position, renormalised
+    (``distill.generalized_jsd_topk``); kl_coef and reward_coef then do not apply.
     """
 
     kl_coef: float = 1.0
@@ -274,6 +279,10 @@ class DistillSection:
     teacher: str | None = None
     teachers: dict[str, str] = dataclasses.field(default_factory=dict)
     teacher_dtype: str = "float32"
+    signal: Literal["reverse_kl", "jsd"] = "reverse_kl"
+    beta: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 32
 
     @property
     def sources(self) -> dict[str, str]:
@@ -609,6 +618,12 @@ def check_distill_section(d: DistillSection) -> None:
     if not d.kl_coef >= 0 or not d.reward_coef >= 0:
         raise ValueError(
             f"rl.distill: kl_coef={d.kl_coef!r} and reward_coef={d.reward_coef!r} must be >= 0"
+        )
+    if not (isinstance(d.top_k, int) and d.top_k >= 1):
+        raise ValueError(f"rl.distill.top_k={d.top_k!r}: expected an int >= 1")
+    if not 0 <= d.beta <= 1 or not d.temperature > 0:
+        raise ValueError(
+            f"rl.distill: beta={d.beta!r} must be in [0, 1] and temperature={d.temperature!r} > 0"
         )
 
 

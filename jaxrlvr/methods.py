@@ -63,7 +63,12 @@ def make_algorithm(
         distill_cfg = distill.DistillUpdateConfig(
             loss=rl.policy_loss,
             distill=distill.DistillConfig(
-                kl_coef=rl.distill.kl_coef, reward_coef=rl.distill.reward_coef
+                signal=rl.distill.signal,
+                kl_coef=rl.distill.kl_coef,
+                reward_coef=rl.distill.reward_coef,
+                beta=rl.distill.beta,
+                temperature=rl.distill.temperature,
+                top_k=rl.distill.top_k if rl.distill.signal == "jsd" else None,
             ),
             num_microbatches=microbatches,
             logprob_chunk_size=rl.logprob_chunk_size,

@@ -471,16 +471,21 @@ def group_advantages(
 
 
 def completion_values(
-    packed: PackedBatch, completions: Sequence[Sequence[int]], values: Sequence[Sequence[float]]
+    packed: PackedBatch,
+    completions: Sequence[Sequence[int]],
+    values: Sequence[Sequence[float]] | Sequence[np.ndarray],
+    dtype=np.float32,
 ) -> np.ndarray:
-    """Per completion token ``values`` (e.g. a teacher's log-probs) as float32 [B, T] at the
-    label positions where ``pack`` put ``sampler_logps`` (padded rows, packed segments, shared
-    prompts alike); 0 elsewhere. ``completions`` are the ones ``packed`` holds, in its order."""
-    out = np.zeros(packed.shape, np.float32)
+    """Per completion token ``values`` (e.g. a teacher's log-probs, [L] per completion, or its
+    top-k, [L, K]) as ``dtype`` [B, T] (or [B, T, K]) at the label positions where ``pack`` put
+    ``sampler_logps`` (padded rows, packed segments, shared prompts alike); 0 elsewhere.
+    ``completions`` are the ones ``packed`` holds, in its order."""
+    trailing = np.shape(values[0])[1:] if len(values) else ()
+    out = np.zeros(packed.shape + trailing, dtype)
     for i, c in enumerate(completions):
         n = len(c)
-        v = np.asarray(values[i], np.float32)
-        if v.shape != (n,):
+        v = np.asarray(values[i], dtype)
+        if v.shape != (n, *trailing):
             raise ValueError(f"completion {i}: {v.shape[0]} values for {n} tokens")
         if not n:
             continue
@@ -489,6 +494,30 @@ def completion_values(
         else:
             row, _, end = (int(x) for x in packed.placement[i])
         out[row, end - n : end] = v
+    return out
+
+
+def teacher_fields(
+    packed: PackedBatch,
+    completions: Sequence[Sequence[int]],
+    topk: Sequence[tuple[np.ndarray, np.ndarray]] | None,
+    domain_ids: Sequence[int] | None,
+) -> dict[str, np.ndarray]:
+    """On-policy distillation's per-token fields of ``shape`` (``teacher_topk_ids``,
+    ``teacher_topk_logp``, ``domain_ids``) laid out by ``completion_values``; none given: {}."""
+    out = {}
+    if topk is not None:
+        out["teacher_topk_ids"] = completion_values(
+            packed, completions, [ids for ids, _ in topk], np.int32
+        )
+        out["teacher_topk_logp"] = completion_values(packed, completions, [lp for _, lp in topk])
+    if domain_ids is not None:
+        out["domain_ids"] = completion_values(
+            packed,
+            completions,
+            [np.full(len(c), d) for c, d in zip(completions, domain_ids)],
+            np.int32,
+        )
     return out
 
 
@@ -546,6 +575,8 @@ def shape(
     pad_id: int,
     max_length: int | None = None,
     teacher_logps: Sequence[Sequence[float]] | None = None,
+    teacher_topk: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    domain_ids: Sequence[int] | None = None,
 ) -> tuple[batch_lib.Batch, dict[str, float]]:
     """One step's rollouts as a host ``Batch`` with every rollout field an algorithm may read
     (``advantages``, ``rewards`` (shaped), ``correct``, ``sampler_logp``), and their metrics.
@@ -556,6 +587,11 @@ def shape(
         ``format_reward``).
       teacher_logps: per completion token, a teacher's log-prob (on-policy distillation):
         ``teacher_logp``, laid out like ``sampler_logp`` (``completion_values``).
+      teacher_topk: per completion, a teacher's (ids [L, K], log-probs [L, K]) of its K most
+        likely tokens at each completion token: ``teacher_topk_ids`` / ``teacher_topk_logp``
+        [B, T, K], laid out the same way.
+      domain_ids: per completion, its problem's domain index (``TeacherRegistry.index``):
+        ``domain_ids`` [B, T] at its label positions.
     """
     g = cfg.group_size
     raw = np.asarray([s["reward"] for s in scores], np.float32)
@@ -602,6 +638,7 @@ def shape(
             if teacher_logps is None
             else completion_values(packed, [c.token_ids for c in completions], teacher_logps)
         ),
+        **teacher_fields(packed, [c.token_ids for c in completions], teacher_topk, domain_ids),
     )
     metrics.update(
         {

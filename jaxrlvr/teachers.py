@@ -283,6 +283,35 @@ def check_teacher(
         )
 
 
+def device_scores(
+    groups: Sequence[tuple[LocalTeacher, Sequence[int]]],
+    batch: batch_lib.Batch,
+    *,
+    top_k: int | None = None,
+) -> dict[str, jax.Array]:
+    """Several local teachers' fields of a placed training batch, each token from the teacher
+    of its domain (``batch.domain_ids``, ``TeacherRegistry.index``): ``teacher_logp`` [B, T]
+    (``batch_logprobs``), or with ``top_k`` ``teacher_topk_ids`` / ``teacher_topk_logp``
+    [B, T, K] (``topk``). ``groups``: (teacher, the domain indices it serves), as
+    ``TeacherRegistry.device_groups`` gives them. Each teacher's pass covers the whole batch
+    and a select keeps its domains' tokens (a per-domain sub-batch would cost a second packing
+    and shapes that change every step)."""
+    values = None
+    for teacher, members in groups:
+        got = teacher.topk(batch, top_k) if top_k else (teacher.batch_logprobs(batch),)
+        if values is None:  # every token first takes the first teacher's values
+            values = got
+            continue
+        mine = jnp.isin(batch.domain_ids, jnp.asarray(members, jnp.int32))
+        values = tuple(
+            jnp.where(mine.reshape(mine.shape + (1,) * (v.ndim - 2)), v, old)
+            for v, old in zip(got, values, strict=True)
+        )
+    if top_k:
+        return {"teacher_topk_ids": values[0], "teacher_topk_logp": values[1]}
+    return {"teacher_logp": values[0]}
+
+
 class TeacherRegistry:
     """Domain -> teacher (module docstring).
 
@@ -303,24 +332,41 @@ class TeacherRegistry:
         self.default = default
 
     @property
-    def device_teacher(self) -> LocalTeacher | None:
-        """The one local teacher when every domain maps to it (its pass then runs on the
-        placed training batch, ``Learner.prepare``, in a one-process job), else None (host
-        scoring)."""
-        distinct = {id(t): t for t in self.teachers.values()}
-        only = next(iter(distinct.values())) if len(distinct) == 1 else None
-        return only if isinstance(only, LocalTeacher) else None
+    def names(self) -> tuple[str, ...]:
+        """The registry's domains, sorted: ``index`` numbers them (``Batch.domain_ids``)."""
+        return tuple(sorted(self.teachers))
 
-    def teacher_for(self, domain: str) -> Teacher:
-        """The teacher of ``domain`` (or of the default domain)."""
+    def routed(self, domain: str) -> str:
+        """The registry domain that serves a problem of ``domain`` (itself, or the default)."""
         if domain in self.teachers:
-            return self.teachers[domain]
+            return domain
         if self.default is not None:
-            return self.teachers[self.default]
+            return self.default
         raise TeacherError(
             f"no teacher for domain {domain!r} (teachers: {sorted(self.teachers)}); add one or "
             "set a default"
         )
+
+    def index(self, domain: str) -> int:
+        """The position in ``names`` of the registry domain that serves ``domain``."""
+        return self.names.index(self.routed(domain))
+
+    @property
+    def device_groups(self) -> list[tuple[LocalTeacher, tuple[int, ...]]] | None:
+        """(local teacher, the ``index``es of the domains it serves) per distinct teacher when
+        every teacher is local (their passes then run on the placed training batch,
+        ``Learner.prepare``, in a one-process job), else None (host scoring)."""
+        groups: dict[int, tuple[Teacher, list[int]]] = {}
+        for i, name in enumerate(self.names):
+            teacher = self.teachers[name]
+            groups.setdefault(id(teacher), (teacher, []))[1].append(i)
+        if not all(isinstance(t, LocalTeacher) for t, _ in groups.values()):
+            return None
+        return [(t, tuple(idx)) for t, idx in groups.values()]
+
+    def teacher_for(self, domain: str) -> Teacher:
+        """The teacher of ``domain`` (or of the default domain)."""
+        return self.teachers[self.routed(domain)]
 
     def check(
         self,
@@ -372,4 +418,28 @@ class TeacherRegistry:
             )
             for i, lp in zip(idx, got, strict=True):
                 out[i] = lp
+        return out  # type: ignore[return-value]
+
+    def completion_topk(
+        self,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
+        domains: Sequence[str],
+        k: int,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each completion's (ids [L, k], log-probs [L, k]) of its domain's teacher's ``k`` most
+        likely tokens (``VLLMTeacher.completion_topk``), in input order."""
+        out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(prompts)
+        for teacher, idx in self.route(domains):
+            if not hasattr(teacher, "completion_topk"):
+                raise TeacherError(
+                    f"teacher {teacher.name!r}: its top-k is computed on device only "
+                    "(a local teacher in a one-process job); rl.distill.signal=jsd here needs "
+                    "vLLM teachers"
+                )
+            got = teacher.completion_topk(
+                [prompts[i] for i in idx], [completions[i] for i in idx], k
+            )
+            for i, pair in zip(idx, got, strict=True):
+                out[i] = pair
         return out  # type: ignore[return-value]

@@ -94,23 +94,28 @@ def _rl_lines(run_dir):
 
 
 @pytest.mark.slow
-def test_two_tasks_each_scored_by_its_own_teacher(tmp_path, folders):
-    # The arithmetic and code tasks in one run (``data.mixture``), each domain its own teacher:
-    # the arithmetic's is the student itself (reverse KL 0), the code's another model.
-    _distill(
-        tmp_path / "self",
-        folders["plain"],
-        "null",
-        "rl.steps=1",
+def test_two_tasks_each_scored_by_its_own_teacher_and_resumed_exactly(tmp_path, folders):
+    """The arithmetic and code tasks in one run (``data.mixture``), each domain its own local
+    teacher, both scoring on device: the arithmetic's is the student itself (reverse KL 0),
+    the code's another model. A run of 1 step resumed to 2 ends at parameters bit-identical to
+    a run of 2 (the resumed step's batch is sampled and scored again: teachers are not state).
+    """
+    two = [
+        "checkpoint.every=1",
         MIXTURE,
         f"rl.distill.teachers={{arith: {folders['plain']}, code: {folders['peaked']}}}",
-    )
-    (line,) = _rl_lines(tmp_path / "self")
+    ]
+    ref, run = tmp_path / "two", tmp_path / "resumed"
+    _distill(run, folders["plain"], "null", "rl.steps=1", *two)
+    (line,) = _rl_lines(run)
     assert abs(line["distill/arith/reverse_kl"]) < 1e-5
     assert line["distill/code/reverse_kl"] > 0.05
     # The update's k1 is the token-weighted mean of the two.
     assert 0.01 < line["distill/reverse_kl"] < line["distill/code/reverse_kl"]
     assert line["distill/teacher_logp"] < -0.1  # a real signal: the tokens are not certain
+    _distill(run, folders["plain"], "null", "rl.steps=2", *two, "--resume")
+    _distill(ref, folders["plain"], "null", "rl.steps=2", *two)
+    runs.assert_same_params(runs.final_params(ref), runs.final_params(run))
 
 
 @pytest.mark.slow
@@ -200,6 +205,22 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
     )
     np.testing.assert_array_equal(batch.teacher_logp, batch.sampler_logp)
     assert np.count_nonzero(batch.teacher_logp) == sum(lengths)
+    # [L, K] top-k arrays and per-completion domain ids take the same positions.
+    topk = [
+        (np.stack([c.token_ids, [1] * len(c.token_ids)], 1), np.stack([c.logprobs] * 2, 1))
+        for c in completions
+    ]
+    batch, _ = rollout.shape(
+        prompts, completions, scores, cfg, pad_id=0, teacher_topk=topk, domain_ids=[1, 2] * 3
+    )
+    want = (*batch.input_ids.shape, 2)
+    assert batch.teacher_topk_ids.shape == batch.teacher_topk_logp.shape == want
+    assert batch.teacher_topk_ids.dtype == batch.domain_ids.dtype == np.int32
+    np.testing.assert_array_equal(batch.teacher_topk_logp[..., 1], batch.sampler_logp)
+    at = batch.sampler_logp != 0
+    np.testing.assert_array_equal(batch.teacher_topk_ids[..., 0][at], batch.labels[at])
+    assert np.count_nonzero(batch.domain_ids == 2) == sum(lengths[1::2])
+    assert np.count_nonzero(batch.domain_ids == 1) == sum(lengths[0::2])
     with pytest.raises(ValueError, match="completion 0: 2 values for 3 tokens"):
         rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=[[0.0, 0.0]] * 6)
 
@@ -226,3 +247,53 @@ def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
         grader.close()
     assert [s["reward"] for s in right] == [1.0, 1.0]
     assert [s["reward"] for s in wrong] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_several_local_teachers_score_each_token_by_its_domain(folders):
+    """``teachers.device_scores`` (``Learner.prepare``'s pass): in packed rows with shared
+    prompts, each completion's tokens take its own domain's teacher's log-probs, equal to that
+    teacher's host scores of the completion (1e-5), and its top-k."""
+    import numpy as np
+
+    from jaxrlvr import rollout, teachers
+    from jaxrlvr.sampling import base as sampling_base
+
+    a, b = (teachers.LocalTeacher.load(folders[k]) for k in ("plain", "peaked"))
+    rng = np.random.default_rng(1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    completions = [
+        sampling_base.Completion(
+            text="x",
+            token_ids=rng.integers(3, 60, n).tolist(),
+            logprobs=[-1.0] * n,
+            finish_reason="stop",
+            prompt_index=i // 2,
+        )
+        for i, n in enumerate([3, 5, 4, 2])
+    ]
+    scores = [{"reward": 0.0, "answer_reward": 0.0, "format_reward": 0.0}] * 4
+    domain_ids = [0, 1, 1, 0]  # both domains inside one shared-prompt block
+    cfg = rollout.ShapingConfig(group_size=2, packing=True, share_prompts=True)
+    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, domain_ids=domain_ids)
+    groups = [(a, (0,)), (b, (1,))]
+    got = teachers.device_scores(groups, batch)["teacher_logp"]
+    host = {
+        t: t.completion_logprobs(
+            [prompts[i // 2] for i in range(4)], [c.token_ids for c in completions]
+        )
+        for t in (a, b)
+    }
+    own = [host[a if d == 0 else b][i] for i, d in enumerate(domain_ids)]
+    # The host path's layout of the same scores (``RolloutSource.teacher_scores``).
+    want, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=own)
+    want = want.teacher_logp
+    mask = batch.loss_mask != 0
+    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=1e-5)
+    assert np.abs(want[mask]).min() > 0
+    ids, logp = teachers.device_scores(groups, batch, top_k=3).values()
+    for teacher, d in ((a, 0), (b, 1)):
+        t_ids, t_logp = teacher.topk(batch, 3)
+        mine = mask & (batch.domain_ids == d)
+        np.testing.assert_array_equal(np.asarray(ids)[mine], np.asarray(t_ids)[mine])
+        np.testing.assert_array_equal(np.asarray(logp)[mine], np.asarray(t_logp)[mine])

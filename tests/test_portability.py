@@ -45,13 +45,25 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxrlvr.algos
 from jaxrlvr import model as M
-from jaxrlvr.algos import algorithm, engine, grpo, loss_config, optim, ppo, preference, sft, step
+from jaxrlvr.algos import (
+    algorithm,
+    distill,
+    engine,
+    grpo,
+    loss_config,
+    optim,
+    ppo,
+    preference,
+    sft,
+    step,
+)
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.model import weights
 from jaxrlvr.sampling import base, jax_sampler
 
 PLATFORMS = ("tpu", "cuda")
 B, T = 16, 64  # training rows x tokens: small, lowering time does not depend on it
+TOP_K = 8  # the distillation teacher's top-k tokens per position
 MICROBATCHES = 2  # exercises the lax.scan accumulation path of every update
 
 # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B), float32 master weights, bfloat16 compute.
@@ -153,6 +165,16 @@ def _preference(kind):
     return lambda a: preference.preference_algorithm(a.graphdef, _OPT, cfg, mesh=a.mesh)
 
 
+def _distill(**kwargs):
+    cfg = distill.DistillUpdateConfig(
+        loss=_PLC(aggregation="token_mean"),
+        distill=distill.DistillConfig(**kwargs),
+        num_microbatches=MICROBATCHES,
+        logprob_chunk_size=T // 4,
+    )
+    return lambda a: distill.distill_algorithm(a.graphdef, _OPT, cfg, mesh=a.mesh)
+
+
 def _sft_like(factory):
     return lambda a: factory(
         a.graphdef, _OPT, sft.SFTUpdateConfig(num_microbatches=MICROBATCHES), mesh=a.mesh
@@ -178,6 +200,11 @@ ALGORITHMS = {
     # Preference pairs are unpacked rows only (``algos.preference``): padded cases.
     "preference_dpo_padded": _preference("dpo"),
     "preference_orpo_padded": _preference("orpo"),
+    # On-policy distillation: the reverse-KL advantage (teacher_logp [B, T]) and the JSD over
+    # the teacher's top-k (teacher_topk_ids / teacher_topk_logp [B, T, K], the student's logits
+    # in position chunks under remat).
+    "distill": _distill(),
+    "distill_jsd": _distill(signal="jsd", beta=0.5, top_k=TOP_K),
 }
 # GRPO's prepare depends on the loss config only through the reference (kl_coef > 0) and the
 # batch specs (and on epochs_per_batch): variants that change none of them run GRPO's prepare
@@ -201,6 +228,9 @@ def _rollouts(spec: batch_lib.BatchSpec, packed: bool = True) -> batch_lib.Batch
         loss_mask=bt(jnp.float32),
         advantages=seq,
         sampler_logp=bt(jnp.float32),
+        teacher_logp=bt(jnp.float32),
+        teacher_topk_ids=jax.ShapeDtypeStruct((B, T, TOP_K), jnp.int32),
+        teacher_topk_logp=jax.ShapeDtypeStruct((B, T, TOP_K), jnp.float32),
         rewards=seq,
         correct=seq,
         segment_ids=bt(jnp.int32) if packed else None,
@@ -288,9 +318,6 @@ def test_algorithm_init_lowers(arch, name, platform):
 def test_every_algorithm_factory_is_covered():
     """A new algorithm record must be added to ALGORITHMS (and so to the portability check)."""
     factories = {"sft", "expert_iteration", "grpo", "ppo", "preference", "distill"}
-    # distill (issue 41) is not lowered for TPU/CUDA here yet: its rollouts need teacher_logp
-    # fields in _rollouts. Listed so that the gap is explicit; the next record must still be added.
-    not_yet_lowered = {"distill"}
     modules = [
         importlib.import_module(f"jaxrlvr.algos.{m.name}")
         for m in pkgutil.iter_modules(jaxrlvr.algos.__path__)
@@ -306,9 +333,9 @@ def test_every_algorithm_factory_is_covered():
     }
     public -= {"with_epochs"}  # algorithm.with_epochs wraps a record; it makes no new method
     assert public == factories, f"new algorithm factories to cover here: {public - factories}"
-    prefixed = ("grpo", "ppo", "preference")
+    prefixed = ("grpo", "ppo", "preference", "distill")
     covered = {n.split("_")[0] if n.startswith(prefixed) else n for n in ALGORITHMS}
-    assert covered == factories - not_yet_lowered
+    assert covered == factories
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ _LAYOUT = {
     "teacher_logp": "bt",
     "teacher_topk_ids": "btk",
     "teacher_topk_logp": "btk",
+    "domain_ids": "bt",
     "rewards": "b",
     "old_values": "bt",
     "correct": "b",
@@ -68,6 +69,7 @@ _INT_FIELDS = (
     "positions",
     "prompt_group_ids",
     "teacher_topk_ids",
+    "domain_ids",
 )
 _MASK_FIELDS = ("attention_mask", "loss_mask")
 _ROUTE_DTYPES = (np.int8, np.int16, np.int32)
@@ -94,6 +96,9 @@ class Batch:
     teacher_topk_ids: int32 [B, T, K] and teacher_topk_logp: float32 [B, T, K], the teacher's K
     most likely next tokens at each position and their log-probs (the JSD over the teacher's
     top-k), optional;
+    domain_ids: int32 [B, T] each label's problem domain, an index into the run's teacher
+    registry (``TeacherRegistry.names``): which local teacher scores it in ``Learner.prepare``
+    and its metrics' domain; read by no update (``select_fields`` drops it);
     rewards: float32 [B] task rewards (PPO); old_values: float32 [B, T] the value head's
     predictions at rollout time (PPO); correct: float32 [B], 1 where the verifier accepted the
     completion (expert iteration's filter).
@@ -115,6 +120,7 @@ class Batch:
     teacher_logp: jax.Array | None = None
     teacher_topk_ids: jax.Array | None = None
     teacher_topk_logp: jax.Array | None = None
+    domain_ids: jax.Array | None = None
     rewards: jax.Array | None = None
     old_values: jax.Array | None = None
     correct: jax.Array | None = None

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import rollout
+from jaxrlvr import teachers as teachers_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import loss_config, routing
 from jaxrlvr.algos import step as step_lib
@@ -102,10 +103,11 @@ class Learner:
         self._versions: dict[int, object] = {}
         self._graphdef = graphdef  # the policy's (routing replay and diagnostics)
         self._route_fns: dict[str, Callable] = {}
-        # On-policy distillation: the registry and its one local teacher, if it has one.
+        # On-policy distillation: the registry, and its local teachers by the domains each
+        # serves when they score on device (every teacher local, one process).
         self.teachers = teachers
         one = teachers is not None and jax.process_count() == 1
-        self.teacher = teachers.device_teacher if one else None
+        self.teacher_groups = teachers.device_groups if one else None
 
     def compiled_for(self, microbatches: int | None = None) -> step_lib.CompiledAlgorithm:
         """The prepare/update compiled for ``microbatches`` (default: the configured count). A
@@ -120,9 +122,20 @@ class Learner:
             )
         return self._compiled[microbatches]
 
-    def shape(self, prompt_ids, completions, scores, rl_step: int, teacher_logps=None):
+    def shape(
+        self,
+        prompt_ids,
+        completions,
+        scores,
+        rl_step: int,
+        *,
+        teacher_logps=None,
+        teacher_topk=None,
+        domain_ids=None,
+    ):
         """(host batch, shaping metrics) of the step's rollouts (``rollout.shape``; with
-        ``teacher_logps``, on-policy distillation's ``teacher_logp`` field)."""
+        ``teacher_logps`` / ``teacher_topk`` / ``domain_ids``, on-policy distillation's
+        fields)."""
         return rollout.shape(
             prompt_ids,
             completions,
@@ -131,6 +144,8 @@ class Learner:
             pad_id=self.pad_id,
             max_length=self.max_length,
             teacher_logps=teacher_logps,
+            teacher_topk=teacher_topk,
+            domain_ids=domain_ids,
         )
 
     def fit_budget(self, rollouts):
@@ -174,8 +189,8 @@ class Learner:
         with that version's kept parameters (module docstring)."""
         compiled = self.compiled_for(microbatches)
         rollouts, route_m = self._routes(state, rollouts)
-        if self.teacher is not None and rollouts.teacher_logp is None:
-            rollouts, teacher_m = self._teacher_pass(compiled, rollouts)
+        if self.teacher_groups is not None and rollouts.domain_ids is not None:
+            rollouts, teacher_m = self._teacher_pass(rollouts)
             route_m = {**route_m, **teacher_m}
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(state, fields)
@@ -194,26 +209,41 @@ class Learner:
             metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
 
-    def _teacher_pass(self, compiled, rollouts):
-        """(rollouts placed on the mesh with the local teacher's ``teacher_logp``, metrics): the
-        rollouts are placed once (``compiled.prepare`` then moves nothing), the teacher's pass
-        runs on them with its parameters as arguments. Metrics under each of the registry's
-        domains (one teacher serves them all): ``distill/<domain>/reverse_kl``, k1 over the
-        loss tokens of the sampler's log-prob minus the teacher's, and ``teacher_top1_lb``, the
-        share of loss tokens whose teacher probability exceeds 1/2 (``RolloutSource``'s host
-        metrics, over the loss mask)."""
+    def _teacher_pass(self, rollouts):
+        """(rollouts placed on the mesh with their teachers' fields, metrics): the rollouts are
+        placed once (``compiled.prepare`` then moves nothing); each local teacher's pass runs on
+        the whole batch with its parameters as arguments, and each token takes the values of
+        its domain's teacher (``Batch.domain_ids``): ``teacher_logp``, or with
+        ``rl.distill.signal: jsd`` ``teacher_topk_ids`` / ``teacher_topk_logp``
+        (``LocalTeacher.topk``). Metrics per registry domain over its loss tokens (those of
+        ``RolloutSource.teacher_scores``): ``distill/<domain>/reverse_kl`` (k1 of the sampler's
+        log-prob minus the teacher's) and ``teacher_top1_lb``, or for the JSD ``agreement``
+        (the share of sampled tokens equal to the teacher's most likely token)."""
+        jnp = jax.numpy
         placed = step_lib.shard_batch(rollouts, self.mesh)
-        teacher_logp = self.teacher.batch_logprobs(placed)
+        ids = placed.domain_ids
+        jsd = self.rl.distill.signal == "jsd"
+        top_k = self.rl.distill.top_k if jsd else None
+        fields = teachers_lib.device_scores(self.teacher_groups, placed, top_k=top_k)
         mask = placed.loss_mask != 0
-        n = jax.numpy.maximum(mask.sum(), 1)
-        kl = jax.numpy.where(mask, placed.sampler_logp - teacher_logp, 0.0).sum() / n
-        top1 = (mask & (teacher_logp > np.log(0.5))).sum() / n
-        kl, top1 = (float(x) for x in jax.device_get((kl, top1)))
+        if jsd:
+            hits = {"agreement": placed.labels == fields["teacher_topk_ids"][..., 0]}
+        else:
+            values = (fields["teacher_logp"],)
+            hits = {"teacher_top1_lb": values[0] > np.log(0.5)}
+        sums = {}
+        for j, domain in enumerate(self.teachers.names):
+            m = mask & (ids == j)
+            sums[domain] = {"n": m.sum(), **{k: (m & h).sum() for k, h in hits.items()}}
+            if not jsd:
+                diff = placed.sampler_logp - values[0]
+                sums[domain]["reverse_kl"] = jnp.where(m, diff, 0.0).sum()
         metrics = {}
-        for domain in self.teachers.teachers:
-            metrics[f"distill/{domain}/reverse_kl"] = kl
-            metrics[f"distill/{domain}/teacher_top1_lb"] = top1
-        return placed.replace(teacher_logp=teacher_logp), metrics
+        for domain, s in jax.device_get(sums).items():
+            n = float(s.pop("n"))
+            if n:
+                metrics.update({f"distill/{domain}/{k}": float(v) / n for k, v in s.items()})
+        return placed.replace(**fields), metrics
 
     def _route_fn(self, name: str) -> Callable:
         if name not in self._route_fns:

@@ -126,7 +126,13 @@ class RLPhase(base.RLStepsPhase):
         graded = self.source.rollouts(t, self.total_steps, timer)
         with timer.phase("shape"):
             rollouts, out = self.learner.shape(
-                graded.prompts, graded.completions, graded.scores, t, graded.teacher_logps
+                graded.prompts,
+                graded.completions,
+                graded.scores,
+                t,
+                teacher_logps=graded.teacher_logps,
+                teacher_topk=graded.teacher_topk,
+                domain_ids=graded.domain_ids,
             )
             rollouts, microbatches = self.learner.fit_budget(rollouts)
         out["tokens/microbatches"] = microbatches

@@ -45,8 +45,12 @@ class GradedRollouts:
       version: the weight version that sampled the batch when the learner needs its behaviour
         log-probs (stale batches with ``rl.behaviour_logprobs``), else None.
       generate_s: seconds the asynchronous generation took (None: sampled in the step).
-      teacher_logps: with teachers (``rl.algo: distill``), each completion token's log-prob
-        under its problem's teacher (``teacher_scores``), else None.
+      teacher_logps: with teachers (``rl.algo: distill``) scored on the host, each
+        completion token's log-prob under its problem's teacher (``teacher_scores``), else None.
+      teacher_topk: the same for ``rl.distill.signal: jsd``: per completion, the teacher's
+        (ids [L, K], log-probs [L, K]) of its top-k tokens at each completion token.
+      domain_ids: with local teachers scoring on device (``Learner.prepare``), each
+        completion's problem domain as ``TeacherRegistry.index`` numbers it, else None.
     """
 
     prompts: list[list[int]]
@@ -56,6 +60,8 @@ class GradedRollouts:
     version: int | None = None
     generate_s: float | None = None
     teacher_logps: list[np.ndarray] | None = None
+    teacher_topk: list[tuple[np.ndarray, np.ndarray]] | None = None
+    domain_ids: list[int] | None = None
 
 
 class RolloutSource:
@@ -218,49 +224,65 @@ class RolloutSource:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        teacher_logps, teacher_m = None, {}
-        # One local teacher scores the placed batch in ``Learner.prepare`` instead.
+        teacher_f, teacher_m = {}, {}
         teachers = self.ctx.teachers
-        if teachers is not None and (teachers.device_teacher is None or jax.process_count() > 1):
-            with timer.phase("teacher"):
-                teacher_logps, teacher_m = self.teacher_scores(problems, prompt_ids, completions)
+        if teachers is not None:
+            g = self.rl.group_size
+            domains = [problems[i // g].domain or "default" for i in range(len(completions))]
+            if teachers.device_groups is not None and jax.process_count() == 1:
+                # Local teachers score the placed batch in ``Learner.prepare``, by domain.
+                teacher_f = {"domain_ids": [teachers.index(d) for d in domains]}
+            else:
+                with timer.phase("teacher"):
+                    teacher_f, teacher_m = self.teacher_scores(domains, prompt_ids, completions)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **teacher_m}
         return GradedRollouts(
-            prompt_ids, completions, scores, metrics, version, generate_s, teacher_logps
+            prompt_ids, completions, scores, metrics, version, generate_s, **teacher_f
         )
 
-    def teacher_scores(self, problems, prompt_ids, completions):
-        """(each completion's log-probs under its problem's teacher, metrics): the run's
-        ``TeacherRegistry`` (local or vLLM teachers) on the host, each teacher asked once. A
-        problem's domain is its ``domain`` attribute, or "default". Metrics per domain over the
-        sampled tokens (environment tokens of multi-turn trajectories excluded):
+    def teacher_scores(self, domains, prompt_ids, completions):
+        """(``GradedRollouts``' teacher fields, metrics): each completion scored by its
+        problem's teacher (``domains``: per completion) through the run's ``TeacherRegistry``
+        (local or vLLM teachers) on the host, each teacher asked once: its log-probs
+        (``teacher_logps``), or with ``rl.distill.signal: jsd`` its top-k (``teacher_topk``).
+        Metrics per domain (the registry's: ``TeacherRegistry.routed``) over the sampled tokens
+        (environment tokens of multi-turn trajectories excluded). Reverse KL:
         ``distill/<domain>/reverse_kl`` (k1: mean of log p_sampler - log p_teacher) and
         ``distill/<domain>/teacher_top1_lb``, the share of tokens whose teacher probability
-        exceeds 1/2 (certainly the teacher's argmax: a lower bound of the teacher/student
-        agreement; without the teacher's top-k the exact agreement is not at hand)."""
-        g = self.rl.group_size
-        domains = [
-            getattr(problems[i // g], "domain", None) or "default" for i in range(len(completions))
-        ]
-        prompts_n = [prompt_ids[i // g] for i in range(len(completions))]
+        exceeds 1/2 (certainly the teacher's argmax: a lower bound of the agreement; the exact
+        one needs the top-k). JSD: ``distill/<domain>/agreement``, the share of sampled tokens
+        equal to the teacher's most likely token."""
+        registry, d = self.ctx.teachers, self.rl.distill
+        prompts_n = [prompt_ids[i // self.rl.group_size] for i in range(len(completions))]
         tokens = [c.token_ids for c in completions]
-        logps = self.ctx.teachers.completion_logprobs(prompts_n, tokens, domains)
+        if d.signal == "jsd":
+            got = registry.completion_topk(prompts_n, tokens, domains, d.top_k)
+            fields = {"teacher_topk": got}
+        else:
+            got = registry.completion_logprobs(prompts_n, tokens, domains)
+            fields = {"teacher_logps": got}
         sums: dict[str, list[float]] = {}
-        for d, c, lp in zip(domains, completions, logps):
+        for domain, c, value in zip(domains, completions, got):
             forced = getattr(c, "forced", None) or [False] * len(c.token_ids)
             keep = ~np.asarray(forced, bool) if c.token_ids else np.zeros(0, bool)
             if not c.logprobs or not keep.any():
                 continue
-            diff = (np.asarray(c.logprobs, np.float64) - lp)[keep]
-            acc = sums.setdefault(d, [0.0, 0.0, 0.0])
-            acc[0] += float(diff.sum())
-            acc[1] += float((lp[keep] > np.log(0.5)).sum())
+            acc = sums.setdefault(registry.routed(domain), [0.0, 0.0, 0.0])
+            if d.signal == "jsd":
+                top1 = (value[0][:, 0] == np.asarray(c.token_ids))[keep]
+            else:
+                acc[0] += float((np.asarray(c.logprobs, np.float64) - value)[keep].sum())
+                top1 = value[keep] > np.log(0.5)
+            acc[1] += float(top1.sum())
             acc[2] += float(keep.sum())
         metrics = {}
-        for d, (kl, top1, n) in sums.items():
-            metrics[f"distill/{d}/reverse_kl"] = kl / n
-            metrics[f"distill/{d}/teacher_top1_lb"] = top1 / n
-        return logps, metrics
+        for domain, (kl, top1, n) in sums.items():
+            if d.signal == "jsd":
+                metrics[f"distill/{domain}/agreement"] = top1 / n
+            else:
+                metrics[f"distill/{domain}/reverse_kl"] = kl / n
+                metrics[f"distill/{domain}/teacher_top1_lb"] = top1 / n
+        return fields, metrics
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
         """The one place the trainer waits for rollouts: step t + k's batch must be finished by
