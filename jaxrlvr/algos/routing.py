@@ -55,13 +55,22 @@ def _same_set(a_nk: jax.Array, b_nk: jax.Array) -> jax.Array:
 
 
 def disagreement(
-    sampler_btlk: jax.Array, live_btlk: jax.Array, valid_bt: jax.Array
+    sampler_btlk: jax.Array,
+    live_btlk: jax.Array,
+    valid_bt: jax.Array,
+    layers: tuple[int, ...] | None = None,
 ) -> dict[str, jax.Array]:
     """Routing disagreement between recorded and live experts over the valid tokens that carry
     routes (no -1): ``routing/disagree`` (share of (token, layer) top-k sets that differ),
     ``routing/token_disagree`` (share of tokens that differ in at least one layer),
     ``routing/layer{i}/disagree``, and ``routing/covered`` (share of valid tokens with routes).
+    ``layers``: the sparse layers to compare (``ModelConfig.sparse_layers``; None: all); the
+    dense layers of a mixed Qwen3-MoE carry no experts (-1 from the JaxSampler, 0 from vLLM).
     """
+    names = range(sampler_btlk.shape[-2]) if layers is None else layers
+    if layers is not None:
+        index = jnp.asarray(layers, jnp.int32)
+        sampler_btlk, live_btlk = sampler_btlk[..., index, :], live_btlk[..., index, :]
     known = jnp.all(sampler_btlk >= 0, axis=(-1, -2))
     valid = valid_bt.astype(bool)
     use = (valid & known).astype(jnp.float32)
@@ -75,8 +84,8 @@ def disagreement(
         "routing/token_disagree": jnp.sum(jnp.max(differ, axis=-1) * use) / n,
         "routing/covered": jnp.sum(use) / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0),
     }
-    for i in range(per_layer.shape[0]):
-        out[f"routing/layer{i}/disagree"] = per_layer[i]
+    for row, i in enumerate(names):
+        out[f"routing/layer{i}/disagree"] = per_layer[row]
     return out
 
 
@@ -111,7 +120,8 @@ def route_metrics(graphdef: nnx.GraphDef, params: Any, batch: batch_lib.Batch) -
     lm = nnx.merge(graphdef, params)
     logp_live, live = _forward(lm, batch, None)
     logp_replay, _ = _forward(lm, batch, to_model(batch.routes))
-    out = disagreement(batch.routes, live, batch.attention_mask)
+    sparse = tuple(i for i, s in enumerate(lm.config.sparse_layers) if s)
+    out = disagreement(batch.routes, live, batch.attention_mask, sparse)
     out["routing/k3_live"] = _k3(batch.sampler_logp, logp_live, batch.loss_mask)
     out["routing/k3_replay"] = _k3(batch.sampler_logp, logp_replay, batch.loss_mask)
     return out

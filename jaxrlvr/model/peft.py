@@ -167,9 +167,9 @@ def _projections(cfg: ModelConfig, params: nnx.State):
     for name, layers in cfg.layer_stacks.items():
         group = params["model"][name]
         for t in lora_lib.TARGETS:
-            proj = group[_GROUP[t]][t]
-            if "lora_a" in proj:
-                yield t, name, layers, proj
+            module = group[_GROUP[t]]
+            if t in module and "lora_a" in module[t]:  # a MoE block has no gate_proj etc.
+                yield t, name, layers, module[t]
 
 
 def adapter_state_dict(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
