@@ -4,7 +4,7 @@ The config classes themselves live next to the code they configure (``ModelConfi
 ``PolicyLossConfig`` in algos/, ...); this module only fills them. It knows the field types from
 the annotations: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``X | None``,
 ``tuple[T, ...]`` and nested dataclasses. Validation beyond types stays in each class's
-``__post_init__`` (a run's ``TrainConfig`` runs ``preflight.check_config`` there); its message is
+``__post_init__`` (a run's ``TrainConfig`` runs ``config.check_config`` there); its message is
 prefixed with the dotted key of the section.
 """
 
