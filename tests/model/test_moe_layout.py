@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxrlvr import model as M
+from jaxrlvr.algos import routing
 from jaxrlvr.model import decoder, moe
 from jaxrlvr.sampling import base, jax_sampler
 
@@ -164,6 +165,43 @@ def test_sampler_decode_and_routes(ckpts):
     assert router.counts.shape == (2, cfg.num_experts) and router.layers == (1, 3)
     # Every valid token makes k assignments in each sparse layer.
     np.testing.assert_allclose(np.asarray(router.counts).sum(-1), mask.sum() * 2)
+    # The routing diagnostics compare the sparse layers only (the dense ones carry -1 here, 0
+    # from vLLM): the sampler's routes are then all covered and all agree.
+    recorded = np.full(live.shape, -1, np.int16)
+    for i, c in enumerate(completions):
+        recorded[i, : c.routes.shape[0]] = c.routes
+    args = (jnp.asarray(recorded), jnp.asarray(live), jnp.asarray(mask))
+    m = routing.disagreement(*args, (1, 3))
+    assert float(m["routing/covered"]) == 1.0 and float(m["routing/disagree"]) == 0.0
+    assert "routing/layer3/disagree" in m and "routing/layer2/disagree" not in m
+    assert float(routing.disagreement(*args)["routing/covered"]) == 0.0
     metrics = moe.add_router_terms((jnp.float32(0), {}), [(cfg, router)], 1)[1]
     assert {"router/layer1/load_entropy", "router/layer3/load_entropy"} <= set(metrics)
     assert "router/layer0/load_entropy" not in metrics
+
+
+def test_peft_adapters_cover_both_stacks(ckpts, tmp_path):
+    """LoRA on a mixed layout: attention adapters in both stacks (the dense MLPs take none, as
+    the experts), written under each layer's own index and read back bit for bit."""
+    from jaxrlvr.model import lora, peft
+
+    ckpt, _ = ckpts["only0"]
+    lm = M.load_hf(ckpt.path, lora=lora.LoRAConfig(rank=2, alpha=4.0), lora_seed=1)
+    assert lm.config.lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    params = nnx.State.merge(
+        nnx.state(lm, nnx.Param), helpers.random_lora_b(nnx.state(lm, lora.LoRAParam), 3)
+    )
+    peft.save_adapter(lm.config, params, tmp_path)
+    names = set(load_file(str(tmp_path / peft.WEIGHTS_FILE)))
+    want = {
+        f"{peft.PREFIX}{peft.module_name(t, i)}.lora_{ab}.weight"
+        for t in lm.config.lora.targets
+        for i in range(3)
+        for ab in "AB"
+    }
+    assert names == want
+    again = peft.load_adapter(tmp_path, lm.config, nnx.state(lm, nnx.Param))
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(lora.adapters(params)), nnx.to_flat_state(lora.adapters(again))
+    ):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
