@@ -1,6 +1,7 @@
 """Helpers of the tests that run ``jaxrlvr train`` as a real multi-process JAX job
-(``test_multihost``, ``test_multihost_vllm``): ports, launch environments, starting and
-finishing the processes, and reading their runs. Not a test module."""
+(``test_multihost``, ``test_multihost_moe``, ``test_multihost_vllm``): ports, launch
+environments, starting and finishing the processes, reading and comparing their runs. Not a
+test module."""
 
 import json
 import os
@@ -8,10 +9,12 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
-from runs import REPO, TINY_MODEL, final_params  # noqa: F401 - final_params: for the multi-process tests
+import runs
+from runs import REPO, TINY_MODEL, final_params
 
 TINY = [
     *TINY_MODEL,
@@ -182,3 +185,41 @@ def assert_same_metrics(a_dir, b_dir, rtol=1e-5, atol=1e-6):
             )
             compared += 1
     assert compared > 50
+
+
+def assert_like_single(single, multi, steps=3):
+    """A multi-process run ``multi`` ended ``steps`` steps with the parameters (1e-5: float32,
+    the cross-process reductions add in another order, ~1e-7 apart) and the metrics of the
+    single-process run ``single``, and learned something; returns (single's params, the
+    multi-process run's metric lines)."""
+    step_a, a = final_params(single)
+    step_b, b = final_params(multi)
+    assert step_a == step_b == steps
+    assert a.keys() == b.keys() and len(a) > 5
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
+    assert_same_metrics(single, multi)
+    lines = metric_lines(multi)
+    # The runs learned something (the comparison is not of untouched initial parameters).
+    assert all(x["grad_norm"] > 0 for x in lines[1:])
+    return a, lines
+
+
+def wait_for_checkpoint(procs, run_dir, step, timeout=900):
+    """Polls (a deadline, not a sleep) until the job ``procs`` has written checkpoint ``step``
+    in ``run_dir``, all its processes still running."""
+    ckpt = pathlib.Path(run_dir) / "checkpoints" / str(step)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if ckpt.is_dir():
+            break
+        time.sleep(0.2)
+    assert all(p.poll() is None for p in procs), "a process ended before the checkpoint"
+    assert ckpt.is_dir(), f"no step-{step} checkpoint within {timeout} s"
+
+
+def assert_resumed_like(resumed, uninterrupted, steps=3):
+    """A resumed run ended ``steps`` steps with exactly (bit for bit) the parameters of the
+    uninterrupted run."""
+    runs.assert_same_params(final_params(uninterrupted), final_params(resumed))
+    assert final_params(resumed)[0] == steps
