@@ -23,6 +23,18 @@ done_run "$R/teacher" || train configs/distill_teacher.yaml run.out_dir="$R/teac
 done_run "$R/sft" || train configs/distill_warmstart.yaml run.out_dir="$R/sft"
 [ -f "$R/sft/hf/config.json" ] || "$J" export "$R/sft" "$R/sft/hf" --overwrite
 ws=(model.path="$R/sft/hf")
+# The students' problems: the demo's seed-0 split as files (the synthetic split follows run.seed).
+[ -f "$R/data/eval.jsonl" ] || "$PY" - "$R/data" <<'PY'
+import json, os, sys
+from jaxrlvr import builders, config
+splits = builders.load_splits(config.load_config("configs/demo.yaml", ["run.seed=0"]))
+os.makedirs(sys.argv[1], exist_ok=True)
+for name, problems in zip(("train", "eval"), splits):
+    with open(os.path.join(sys.argv[1], name + ".jsonl"), "w") as f:
+        for p in problems:
+            f.write(json.dumps({"problem": p.question, "answer": p.answer}) + "\n")
+PY
+ws+=(data.train="$R/data/train.jsonl" data.eval="$R/data/eval.jsonl")
 samples="$R/teacher_samples.jsonl"
 [ -f "$samples" ] || flock /tmp/demo.lock "$PY" scripts/teacher_samples.py \
   configs/distill_teacher.yaml "$R/teacher" "$samples" --k 8 | tee "$R/teacher_samples.json"

@@ -76,7 +76,11 @@ def curves(root, start_acc):
             for r in glob.glob(os.path.join(root, f"sft_teacher_s{s}_n*"))
             if os.path.exists(os.path.join(r, "summary.json"))
         ]
-        out["sft_teacher"].append(sft_curve(runs, start_acc))
+        # step 0: the warm start evaluated with this seed's sampling (its GRPO run's first
+        # evaluation), else the warm start run's own evaluation
+        grpo = os.path.join(root, f"grpo_s{s}", "summary.json")
+        start_s = read_json(grpo)["eval_accuracy_after_sft"] if os.path.exists(grpo) else start_acc
+        out["sft_teacher"].append(sft_curve(runs, start_s))
     return out
 
 
