@@ -171,6 +171,13 @@ def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int,
                     f"no teacher for domain {domain!r} (rl.distill.teachers: "
                     f"{sorted(d.sources)}); add one or set rl.distill.teacher"
                 )
+    local = [s for s in d.sources.values() if not s.startswith(("http://", "https://"))]
+    if d.signal == "jsd" and local and jax.process_count() > 1:
+        raise teachers_lib.TeacherError(
+            f"rl.distill.signal=jsd with the local teacher {local[0]!r} in a multi-process job: "
+            "a local teacher's top-k is computed on device in one-process jobs only; serve it "
+            "with vLLM (an http:// teacher) or run one process"
+        )
     loaded: dict[str, teachers_lib.Teacher] = {}
     for source in dict.fromkeys(d.sources.values()):
         kwargs = (
