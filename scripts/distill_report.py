@@ -4,7 +4,8 @@ Usage: python scripts/distill_report.py [RUNS_DIR] [OUT_PREFIX]
 Reads RUNS_DIR/{opd,grpo}_s*/ and RUNS_DIR/sft_teacher_s*_n*/ (summary.json, metrics.jsonl),
 the teacher's and the warm start's summaries; writes OUT_PREFIX.png (held-out accuracy against
 student steps and against the students' cumulative step time, mean over seeds, the band one
-standard deviation) and prints a markdown table (mean +- std over seeds, ddof 1).
+standard deviation) and prints a markdown table (mean +- std over seeds, ddof 1); then, when
+scripts/distill_two_teachers.sh has run, the two-teacher table.
 Training time is the sum of the runs' ``time/step_s`` (sampling, teacher pass, grading, update;
 not the evaluations or start-up) over steps 2..n: step 1 carries the compilation (teacher
 loading included), reported in its own column.
@@ -141,5 +142,50 @@ def main(root="runs/distill", out="docs/experiments/distillation"):
         )
 
 
+def eval_accuracy(path):
+    """``eval/accuracy`` from the output of ``jaxrlvr eval``."""
+    with open(path) as f:
+        return float(next(line.split()[1] for line in f if line.startswith("eval/accuracy:")))
+
+
+def two_teachers(root="runs/distill"):
+    """The two-teacher table (scripts/distill_two_teachers.sh), when its runs exist: each task's
+    held-out accuracy of its own teacher, the mixture warm start and the distilled student, and
+    the student's per-domain reverse KL (mean of the first and last 10 steps)."""
+    ev = os.path.join(root, "two_eval")
+    if not os.path.exists(os.path.join(ev, "two_teachers_code_demo.txt")):
+        return
+    teachers = {
+        "demo": read_json(os.path.join(root, "teacher", "summary.json"))["eval_accuracy_final"],
+        "code_demo": read_json(os.path.join(root, "code_teacher", "summary.json"))[
+            "eval_accuracy_final"
+        ],
+    }
+    with open(os.path.join(root, "two_teachers", "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "distill/arith/reverse_kl" in r]
+    kl = {
+        d: (
+            np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[:10]]),
+            np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[-10:]]),
+        )
+        for d in ("arith", "code")
+    }
+    print()
+    print(
+        "| task | its teacher | mixture warm start | two-teacher student "
+        "| reverse KL to its teacher |"
+    )
+    print("|---|---|---|---|---|")
+    for task, domain in (("demo", "arith"), ("code_demo", "code")):
+        ws = eval_accuracy(os.path.join(ev, f"two_sft_{task}.txt"))
+        st = eval_accuracy(os.path.join(ev, f"two_teachers_{task}.txt"))
+        a, b = kl[domain]
+        print(
+            f"| {domain} ({task}.yaml held-out) | {teachers[task]:.4f} | {ws:.4f} | {st:.4f} "
+            f"| {a:.3f} -> {b:.3f} |"
+        )
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    two_teachers(*sys.argv[1:2])
