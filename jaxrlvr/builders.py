@@ -71,6 +71,8 @@ def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig
         num_experts_per_tok=m.num_experts_per_tok,
         moe_intermediate_size=m.moe_intermediate_size,
         norm_topk_prob=m.norm_topk_prob,
+        decoder_sparse_step=m.decoder_sparse_step,
+        mlp_only_layers=m.mlp_only_layers,
         hf_config={
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.eos_token_id,

@@ -80,14 +80,17 @@ class ModelSection:
     tie_word_embeddings: bool = True
     # The random model's family (``model.ModelConfig``): "qwen2", "qwen3" or "qwen3_moe" (then
     # ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` of them
-    # per token); ``head_dim``: null is hidden_size / num_attention_heads. A checkpoint's come
-    # from its config.json.
+    # per token; layer i is sparse iff i is not in ``mlp_only_layers`` and (i + 1) %
+    # ``decoder_sparse_step`` == 0, else a dense MLP of width intermediate_size); ``head_dim``:
+    # null is hidden_size / num_attention_heads. A checkpoint's come from its config.json.
     model_type: str = "qwen2"
     head_dim: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # MoE checkpoints: add router_aux_loss_coef x the load-balancing loss to every update
     # (``model.ModelConfig.router_aux_loss``); off by default, as RL stacks run it.
     router_aux_loss: bool = False
