@@ -5,37 +5,51 @@ without it locally, failed without it in CI (env CI set).
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).parent.parent
+import runs
 
 
-def _vllm_python() -> str:
-    """The vLLM environment's interpreter; skipped without it locally, failed in CI."""
-    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
-    if not python:
-        if os.environ.get("CI"):
-            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
-        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
-    return python
+@pytest.fixture(scope="module")
+def crashing_run(tmp_path_factory):
+    """The run of ``test_a_crashed_vllm_engine_is_one_line_quoting_its_log``, started in the
+    background when the module starts: it mostly waits for its server's two starts, so the
+    other test's run shares the machine with it. Yields (run dir, process)."""
+    python = runs.vllm_python()
+    run_dir = tmp_path_factory.mktemp("crashed_engine") / "run"
+    cmd = ["train", "configs/demo.yaml"]
+    cmd += [
+        f"run.out_dir={run_dir}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "sampler.kind=vllm",
+        f"sampler.vllm_python={python}",
+        "model.hidden_size=32",  # 2 heads: head_dim 16, which vLLM's CPU attention refuses
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "data.synthetic_train_size=100",
+        "data.synthetic_eval_size=8",
+        "eval.max_problems=8",
+        "sft.steps=0",
+        "rl.steps=2",
+        "reward.num_workers=1",
+    ]
+    proc = runs.launch(*cmd, pipe=False)
+    yield run_dir, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_grpo_loop_with_vllm_sampler(tmp_path):
-    python = _vllm_python()
+def test_grpo_loop_with_vllm_sampler(crashing_run, tmp_path):  # crashing_run goes on alongside
+    python = runs.vllm_python()
     run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     cmd = [
-        sys.executable,
-        "-m",
-        "jaxrlvr.cli",
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -61,7 +75,7 @@ def test_grpo_loop_with_vllm_sampler(tmp_path):
         "checkpoint.every=3",
         "reward.num_workers=1",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
+    proc = runs.jaxrlvr(*cmd, timeout=1500, check=False)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + (
         (run_dir / "vllm_server.log").read_text()[-3000:]
         if (run_dir / "vllm_server.log").exists()
@@ -82,45 +96,23 @@ def test_grpo_loop_with_vllm_sampler(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_crashed_vllm_engine_is_one_line_quoting_its_log(tmp_path):
+def test_a_crashed_vllm_engine_is_one_line_quoting_its_log(crashing_run):
     """A model whose attention vLLM's CPU build cannot run (head_dim 16): the engine dies of a
     fatal error at the first request. The server is restarted once; when it dies of the same
     error again the run stops with one line that quotes the root cause from the server's log and
     names the log, exit 1, no traceback; the checkpoint-free run directory holds no metrics."""
-    python = _vllm_python()
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "jaxrlvr.cli", "train", "configs/demo.yaml"]
-    cmd += [
-        f"run.out_dir={run_dir}",
-        "run.progress=false",
-        "run.tensorboard=false",
-        "sampler.kind=vllm",
-        f"sampler.vllm_python={python}",
-        "model.hidden_size=32",  # 2 heads: head_dim 16, which vLLM's CPU attention refuses
-        "model.num_attention_heads=2",
-        "model.num_key_value_heads=1",
-        "model.intermediate_size=64",
-        "model.num_hidden_layers=1",
-        "data.synthetic_train_size=100",
-        "data.synthetic_eval_size=8",
-        "eval.max_problems=8",
-        "sft.steps=0",
-        "rl.steps=2",
-        "reward.num_workers=1",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    run_dir, proc = crashing_run
+    out, err = runs.wait(proc, check=False)
     log = run_dir / "vllm_server.log"
-    assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}"
-    errors = [x for x in proc.stderr.splitlines() if not x.startswith("[jaxrlvr] ")]
+    assert proc.returncode == 1, f"{out}\n{err}"
+    errors = [x for x in err.splitlines() if not x.startswith("[jaxrlvr] ")]
     assert errors == [
         "jaxrlvr train: error: vLLM server at "
         + errors[0].split("vLLM server at ")[1].split(" ")[0]
         + " died again of the same fatal error, so it is not restarted: RuntimeError: "
         "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0 "
         f"(log: {log})"
-    ], proc.stderr
-    assert "Traceback" not in proc.stderr
+    ], err
+    assert "Traceback" not in err
     assert log.read_text().count("=== jaxrlvr: starting") == 2  # started, restarted once
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "checkpoints").exists()

@@ -12,10 +12,6 @@ Tolerance for log-prob agreement: 1e-4, float32 on both sides (as tests/sampling
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,12 +19,12 @@ import httpx
 import numpy as np
 import pytest
 
+import runs
 from jaxrlvr.sampling import base, vllm_sampler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ATOL = 1e-4
-REPO = pathlib.Path(__file__).parent.parent.parent
 PROMPT = [5, 17, 42, 99]
 
 
@@ -87,12 +83,7 @@ def test_k1_loop_with_the_vllm_server_lags_exactly_one_version(vllm_server, tiny
     (``sampler.vllm_urls``), starting from the served model's weights."""
     server, state = vllm_server
     run_dir = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     cmd = [
-        sys.executable,
-        "-m",
-        "jaxrlvr.cli",
         "train",
         "configs/demo.yaml",
         f"run.out_dir={run_dir}",
@@ -117,7 +108,7 @@ def test_k1_loop_with_the_vllm_server_lags_exactly_one_version(vllm_server, tiny
         "optim.warmup_steps=0",
     ]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+        proc = runs.jaxrlvr(*cmd, check=False)
         # The version the run left live on the server: after its 3 updates, version 3.
         live = httpx.get(server.url + "/weight_info").json().get("weight_version")
     finally:
