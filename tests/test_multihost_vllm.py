@@ -12,36 +12,17 @@ its metrics. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``); each server i
 1 core while it starts.
 """
 
-import os
-
 import multihost_runs as mh
 import pytest
 
+import runs
+
 VLLM_TINY = [
-    # head_dim 32: the smallest the CPU attention backend of vLLM supports
+    *mh.TINY,
+    # head_dim 32 (TINY's is 16): the smallest the CPU attention backend of vLLM supports
     "model.hidden_size=64",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
     "model.intermediate_size=128",
-    "model.num_hidden_layers=1",
-    "data.synthetic_train_size=64",
-    "data.synthetic_eval_size=16",
-    "data.shards=2",
-    "sft.steps=0",
-    "rl.steps=3",
-    "rl.prompts_per_step=4",
-    "rl.group_size=4",
-    "rl.packing=false",
-    "reward.format_weight=0.5",
-    "optim.warmup_steps=0",
-    "eval.every=3",
-    "eval.max_problems=16",
     "checkpoint.every=3",
-    "mesh.data=1",
-    "mesh.fsdp=8",
-    "reward.num_workers=1",
-    "run.progress=false",
-    "run.tensorboard=false",
     "sampler.kind=vllm",
 ]
 
@@ -50,11 +31,7 @@ VLLM_TINY = [
 def shared_server(tmp_path_factory):
     """One CPU vLLM server on the tiny trainer's initial weights (its architecture and
     tokenizer); yields its URL."""
-    python = os.environ.get("JAXRLVR_VLLM_PYTHON")
-    if not python:
-        if os.environ.get("CI"):
-            pytest.fail("JAXRLVR_VLLM_PYTHON is not set in CI: the vLLM environment is missing")
-        pytest.skip("JAXRLVR_VLLM_PYTHON not set (scripts/setup_vllm.sh)")
+    python = runs.vllm_python()
     import jax
     from flax import nnx
 
@@ -78,7 +55,26 @@ def shared_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(shared_server, tmp_path_factory):
+def per_host_job(tmp_path_factory):
+    """The two-process job with a vLLM server each, started in the background before the shared
+    server (it needs none of this module's other runs): (run dir, its processes)."""
+    python = runs.vllm_python()
+    multi = tmp_path_factory.mktemp("vllm_per_host") / "multi"
+    per_host = [
+        f"sampler.vllm_python={python}",
+        "sampler.vllm_max_model_len=64",
+        "sampler.vllm_device=cpu",
+    ]
+    procs = mh.start(multi, *per_host, args=VLLM_TINY)
+    yield multi, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+@pytest.fixture(scope="module")
+def reference(per_host_job, shared_server, tmp_path_factory):
     """The 1-process x 8-device run on the shared server: its run dir."""
     single = tmp_path_factory.mktemp("vllm_reference") / "single"
     mh.finish(mh.start(single, f"sampler.vllm_urls=[{shared_server}]", processes=1, args=VLLM_TINY))
@@ -86,15 +82,7 @@ def reference(shared_server, tmp_path_factory):
 
 
 def assert_like_reference(reference, multi):
-    step_a, a = mh.final_params(reference)
-    step_b, b = mh.final_params(multi)
-    assert step_a == step_b == 3
-    for k in a:
-        # float32 on both sides; reductions in another order: ~1e-7 apart.
-        mh.np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
-    mh.assert_same_metrics(reference, multi)
-    lines = mh.metric_lines(multi)
-    assert all(x["grad_norm"] > 0 for x in lines[1:])
+    _, lines = mh.assert_like_single(reference, multi)
     assert lines[1]["grading/n"] == 16  # both processes' rollouts
 
 
@@ -109,14 +97,9 @@ def test_two_processes_share_one_vllm_server_like_one_process(shared_server, ref
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_processes_with_a_vllm_server_each_like_one_process(reference, tmp_path):
-    multi = tmp_path / "multi"
-    per_host = [
-        f"sampler.vllm_python={os.environ['JAXRLVR_VLLM_PYTHON']}",
-        "sampler.vllm_max_model_len=64",
-        "sampler.vllm_device=cpu",
-    ]
-    outs = mh.finish(mh.start(multi, *per_host, args=VLLM_TINY))
+def test_two_processes_with_a_vllm_server_each_like_one_process(reference, per_host_job):
+    multi, procs = per_host_job
+    outs = mh.finish(procs)
     assert_like_reference(reference, multi)
     # Each process started one server of its own.
     started = [out + err for _, out, err in outs if "starting 1 vLLM server(s)" in out + err]
