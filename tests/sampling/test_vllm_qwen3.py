@@ -27,11 +27,13 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [300, 301, 302, 303, 304, 305]]
 
 
 def family_config(family: str, vocab_size: int) -> jmodel.ModelConfig:
-    """A tiny Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe": 8 experts, top-2), head_dim 64."""
+    """A tiny Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe": 8 experts, top-2), head_dim 64. The MoE
+    mixes layer kinds as ``mlp_only_layers`` allows: layer 0 a dense MLP, layers 1-2 sparse (so
+    vLLM's layout rule, the decoder's run-by-run scan and its KV-cache prefill are all served)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=3 if family == "qwen3_moe" else 2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim_override=64,
@@ -43,6 +45,7 @@ def family_config(family: str, vocab_size: int) -> jmodel.ModelConfig:
         return jmodel.ModelConfig(
             intermediate_size=256,
             num_experts=8,
+            mlp_only_layers=(0,),
             num_experts_per_tok=2,
             moe_intermediate_size=64,
             norm_topk_prob=True,
@@ -77,8 +80,10 @@ def test_vllm_serves_and_reloads_the_exported_family(vllm_python, family_export,
     cfg, graphdef = family_export["cfg"], family_export["graphdef"]
     if cfg.is_moe:
         names = weights.expected_hf_shapes(cfg)
-        assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
-        assert "model.layers.0.mlp.gate.weight" in names
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+        assert "model.layers.2.mlp.gate.weight" in names
+        assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense layer
+        assert not any(n.startswith("model.layers.0.mlp.experts.") for n in names)
     server = vllm_server.VLLMServer(
         family_export["dir"], python=vllm_python, log_path=tmp_path / "server.log"
     )
