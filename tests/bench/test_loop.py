@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import runs
 from jaxrlvr.bench import loop
 
 TINY = [
@@ -16,8 +17,24 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """``jaxrlvr bench loop --whole-run`` (three fresh processes, one after another) started in
+    the background when the first test that needs it starts, so that it runs alongside the
+    short loop: each process is mostly one core's work and CI has two. Yields (out dir,
+    process)."""
+    pytest.importorskip("trl")
+    out = tmp_path_factory.mktemp("loop") / "whole"
+    sets = [*TINY, "--set=rl.steps=2", "--set=eval.every=1", "--set=checkpoint.every=2"]
+    proc = runs.launch("bench", "loop", "--whole-run", "--out", str(out), *sets, pipe=False)
+    yield out, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.slow
-def test_short_loop_runs_both_systems(tmp_path):
+def test_short_loop_runs_both_systems(whole_run, tmp_path):  # whole_run goes on alongside
     pytest.importorskip("trl")
     out = tmp_path / "loop"
     assert loop.main(["--steps", "2", "--out", str(out), *TINY]) == 0
@@ -63,14 +80,12 @@ def test_rows_take_their_overrides():
 
 
 @pytest.mark.slow
-def test_whole_run_three_fresh_processes(tmp_path):
+def test_whole_run_three_fresh_processes(whole_run):
     """--whole-run: jaxrlvr with an empty compile cache, TRL's SFT + GRPO + evaluations, jaxrlvr
     again: the second jaxrlvr process compiles nothing (every program it compiled the first time
     is loaded from the cache) and reaches the same accuracy (same programs, same seeds)."""
-    pytest.importorskip("trl")
-    out = tmp_path / "whole"
-    sets = [*TINY, "--set=rl.steps=2", "--set=eval.every=1", "--set=checkpoint.every=2"]
-    assert loop.main(["--whole-run", "--out", str(out), *sets]) == 0
+    out, proc = whole_run
+    runs.wait(proc)  # exit status 0
     result = json.loads((out / "whole_run.json").read_text())
     first, trl, second = result["records"]
     assert [first["label"], trl["label"], second["label"]] == [
