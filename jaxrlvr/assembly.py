@@ -69,7 +69,7 @@ def assemble(
     sampled = mode == "pairs" or any(p.samples_train_prompts for p in plan)
     checked = {
         "data.train": train_problems if sampled else [],
-        "data.eval": eval_problems[: cfg.eval.max_problems],
+        "data.eval": loading.held_out_share(eval_problems, cfg.eval.max_problems),
     }
     preflight.check_lengths(cfg.data.template, cfg.sampler, tokenizer, positions, checked)
     if model is None:

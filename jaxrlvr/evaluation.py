@@ -1,5 +1,9 @@
 """Held-out evaluation: sample the first ``eval.max_problems`` problems, grade, reduce.
 
+A task mixture (``data.mixture``: problems of several domains) is evaluated as each task alone
+would be: the first ``eval.max_problems`` of each domain's held-out problems, with
+``eval/<domain>/accuracy`` beside the pooled metrics.
+
 ``evaluate`` is what the training loop's evaluation hook runs (on the run's live sampler);
 ``evaluate_only`` (``jaxrlvr eval``) assembles the run for a run's newest checkpoint or for the
 config's initial model (``assembly.assemble``, mode "eval") and does the same.
@@ -14,6 +18,7 @@ import numpy as np
 from jaxrlvr import assembly, compile_cache, distributed, preflight, prompts
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr.data import loading
 from jaxrlvr.envs import multi_turn
 from jaxrlvr.phases import base
 
@@ -30,9 +35,10 @@ def evaluate(
     process's row block of ``step.process_row_block``) each process samples and grades its
     contiguous share and the metrics are reduced over the processes."""
     block = ctx.row_block
-    problems = ctx.eval_problems[: eval_cfg.max_problems]
+    problems = loading.held_out_share(ctx.eval_problems, eval_cfg.max_problems)
     if not problems:
         return {}
+    domains = [p.domain for p in problems]
     first = 0
     if block[1] > 1:
         first = len(problems) * block[0] // block[1]
@@ -62,6 +68,7 @@ def evaluate(
         **metrics_lib.length_by_outcome(
             lengths, [s["answer_reward"] for s in scores], prefix="eval/"
         ),
+        **accuracy_by_domain(domains, scores, n),
         "eval/n": len(scores) // n,
         "eval/samples_per_problem": n,
         # Tool-use rollouts (``env.tools``): turns, tool calls and errors, how rollouts ended.
@@ -70,6 +77,19 @@ def evaluate(
             multi_turn.trajectory_metrics(completions, prefix="eval/tool/") if block[1] == 1 else {}
         ),
     }
+
+
+def accuracy_by_domain(domains: list, scores: list[dict], n: int) -> dict[str, float]:
+    """``eval/<domain>/accuracy`` and ``eval/<domain>/n`` per domain when there are several
+    (``scores`` holds ``n`` completions per problem, problem by problem)."""
+    if len(set(domains)) <= 1:
+        return {}
+    out = {}
+    for d in dict.fromkeys(domains):
+        rows = [s for i, s in enumerate(scores) if domains[i // n] == d]
+        out[f"eval/{d}/accuracy"] = float(np.mean([s["answer_reward"] for s in rows]))
+        out[f"eval/{d}/n"] = len(rows) // n
+    return out
 
 
 def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> dict[str, float]:

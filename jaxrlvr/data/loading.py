@@ -292,3 +292,13 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
         )
     dropped = sum(reasons.values())
     return problems, LoadStats(kept=len(problems), dropped=dropped, reasons=dict(reasons))
+
+
+def held_out_share(problems: list, max_problems: int) -> list:
+    """The problems evaluated: the first ``max_problems``, or, when the problems come from
+    several domains (a task mixture), the first ``max_problems`` of each domain, in domain order
+    of first appearance (each task's held-out set as it would be evaluated alone)."""
+    order = list(dict.fromkeys(p.domain for p in problems))
+    if len(order) <= 1:
+        return problems[:max_problems]
+    return [q for d in order for q in [p for p in problems if p.domain == d][:max_problems]]

@@ -141,3 +141,35 @@ def test_config_validation_and_format_inference(tmp_path):
 )
 def test_extract_answer(value, from_solution, expected):
     assert loading.extract_answer(value, from_solution=from_solution) == expected
+
+
+def test_a_mixtures_held_out_share_is_each_domains_own_and_scored_per_domain():
+    """A task mixture is evaluated as each task alone: the first max_problems of each domain
+    (not the first max_problems of the pooled list, which would be the first task's only), and
+    the accuracy is reported per domain beside the pooled one."""
+    from jaxrlvr import evaluation
+
+    def p(i, d):
+        return loading.Problem(question=f"q{i}", answer="1", id=str(i), domain=d)
+
+    pooled = [p(i, "arith") for i in range(5)] + [p(i, "code") for i in range(5, 8)]
+    share = loading.held_out_share(pooled, 2)
+    assert [(q.id, q.domain) for q in share] == [
+        ("0", "arith"),
+        ("1", "arith"),
+        ("5", "code"),
+        ("6", "code"),
+    ]
+    single = [p(i, None) for i in range(5)]
+    assert loading.held_out_share(single, 3) == single[:3]
+    # 2 samples per problem: arith problems score 1, 0; code problems 0, 0 (sample by sample)
+    rewards = [1, 1, 0, 0, 0, 1, 0, 0]
+    scores = [{"answer_reward": r} for r in rewards]
+    by_domain = evaluation.accuracy_by_domain([q.domain for q in share], scores, 2)
+    assert by_domain == {
+        "eval/arith/accuracy": 0.5,
+        "eval/arith/n": 2,
+        "eval/code/accuracy": 0.25,
+        "eval/code/n": 2,
+    }
+    assert evaluation.accuracy_by_domain([None] * 3, scores[:6], 2) == {}
