@@ -231,8 +231,8 @@ def test_killed_server_is_restarted_on_latest_weights_or_fails_clearly(
         assert not server.alive()
 
 
-def _spawn_serve_vllm_cli(vllm_python, tiny_export, log):
-    """``jaxrlvr serve-vllm`` started in a subprocess on a free port: (process, port)."""
+def _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path):
+    """``jaxrlvr serve-vllm`` in a subprocess, returned once it prints its ready line."""
     import os
     import subprocess
     import sys
@@ -240,17 +240,12 @@ def _spawn_serve_vllm_cli(vllm_python, tiny_export, log):
     port = vllm_server.pick_free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxrlvr.cli", "serve-vllm", "--model", str(tiny_export["dir"])]
-        + ["--python", vllm_python, "--port", str(port), "--log", str(log)],
+        + ["--python", vllm_python, "--port", str(port), "--log", str(tmp_path / "cli.log")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={k: v for k, v in os.environ.items() if k != "JAXRLVR_VLLM_PYTHON"},
     )
-    return proc, port
-
-
-def _wait_until_ready(proc, port):
-    """Reads the CLI's output until its ready line (an event); fails if it ends first."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -262,30 +257,13 @@ def _wait_until_ready(proc, port):
     return proc, port
 
 
-@pytest.fixture(scope="module")
-def serve_clis(vllm_python, tiny_export, tmp_path_factory):
-    """Two ``jaxrlvr serve-vllm`` processes started side by side (a server's start is mostly
-    one core's work, and CI has two), each returned once ready:
-    {"ctrl_c": (process, port), "sigkill": (process, port)}; each test ends its own."""
-    root = tmp_path_factory.mktemp("serve_vllm")
-    spawned = {
-        name: _spawn_serve_vllm_cli(vllm_python, tiny_export, root / f"{name}.log")
-        for name in ("ctrl_c", "sigkill")
-    }
-    try:
-        yield {name: _wait_until_ready(*started) for name, started in spawned.items()}
-    finally:
-        for proc, _ in spawned.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.mark.slow
-def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(serve_clis, tiny_export):
+def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(
+    vllm_python, tiny_export, tmp_path
+):
     import signal
 
-    proc, port = serve_clis["ctrl_c"]
+    proc, port = _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         # Bound to loopback, in dev mode (the client's construction checks pass), serving the model.
@@ -302,13 +280,13 @@ def test_serve_vllm_cli_starts_a_dev_mode_server_and_stops_on_ctrl_c(serve_clis,
 
 
 @pytest.mark.slow
-def test_server_stops_when_its_parent_is_sigkilled(serve_clis):
+def test_server_stops_when_its_parent_is_sigkilled(vllm_python, tiny_export, tmp_path):
     # A trainer killed with SIGKILL runs no atexit hook; the server must not outlive it (its
     # watchdog process notices the parent is gone and stops the server's process group).
     import signal
     import time
 
-    proc, port = serve_clis["sigkill"]
+    proc, port = _start_serve_vllm_cli(vllm_python, tiny_export, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         assert httpx.get(url + "/health", timeout=5.0).status_code == 200
