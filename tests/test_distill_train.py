@@ -13,6 +13,7 @@
 """
 
 import json
+import math
 
 import jax
 import pytest
@@ -138,6 +139,32 @@ def test_reverse_kl_to_another_teacher_falls(tmp_path, folders):
         assert x["distill/default/reverse_kl"] == pytest.approx(x["distill/reverse_kl"], abs=1e-4)
     assert kl[0] > 0.5
     assert sum(kl[-2:]) < 0.8 * sum(kl[:2]), kl
+
+
+@pytest.mark.slow
+def test_jsd_to_another_teacher_falls_from_the_config(tmp_path, folders):
+    """``rl.distill.signal: jsd`` end to end: the local teacher's top-k reaches the update as
+    [B, T, K] rows and the generalised JSD (beta 0.5) over them falls; the agreement (sampled
+    token == the teacher's argmax) is reported for the domain."""
+    _distill(
+        tmp_path / "jsd",
+        folders["peaked"],
+        folders["plain"],
+        "rl.steps=5",
+        "rl.distill.signal=jsd",
+        "rl.distill.beta=0.5",
+        "rl.distill.top_k=8",
+        "optim.learning_rate=1e-2",
+        "optim.warmup_steps=0",
+        "optim.total_steps=5",
+    )
+    rows = (tmp_path / "jsd" / "metrics.jsonl").read_text().splitlines()
+    lines = [json.loads(x) for x in rows]
+    lines = [x for x in lines if "distill/jsd" in x]
+    jsd = [x["distill/jsd"] for x in lines]
+    assert len(jsd) == 5 and all(0 <= v <= math.log(2) for v in jsd), jsd  # JSD_0.5 <= ln 2
+    assert jsd[0] > 0.05 and sum(jsd[-2:]) < 0.8 * sum(jsd[:2]), jsd
+    assert all(0.0 <= x["distill/default/agreement"] <= 1.0 for x in lines)
 
 
 def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
