@@ -167,6 +167,54 @@ def test_jsd_to_another_teacher_falls_from_the_config(tmp_path, folders):
     assert all(0.0 <= x["distill/default/agreement"] <= 1.0 for x in lines)
 
 
+@pytest.mark.slow
+def test_an_async_lora_student_and_tool_trajectories_distil(tmp_path, folders):
+    """Where the student goes, the teacher follows. (1) A LoRA student with asynchronous
+    rollouts (``rl.max_staleness=1``): its own teacher copy gives reverse KL ~0 on every step,
+    rollouts one version stale are scored. (2) Multi-turn tool
+    trajectories (the tool demo's python tool): a run completes with a finite reverse KL whose
+    tokens exclude the environment's (``rl.mask_forced_tokens``)."""
+    lora = tmp_path / "lora"
+    _distill(
+        lora,
+        folders["plain"],
+        folders["plain"],
+        "rl.steps=3",
+        "rl.max_staleness=1",
+        "model.lora={rank: 4, alpha: 8}",
+        "checkpoint.every=3",
+    )
+    lines = _rl_lines(lora)
+    assert len(lines) == 3
+    assert all(abs(x["distill/reverse_kl"]) < 1e-4 for x in lines)
+    assert max(x["async/staleness"] for x in lines) == 1
+    _, final = runs.final_params(lora)
+    assert any("lora" in k.lower() for k in final)  # the student trained is the adapters
+
+    tool = tmp_path / "tool"
+    runs.jaxrlvr(
+        "train",
+        "configs/tool_demo.yaml",
+        *RUN,
+        "reward.sandbox=none",
+        "env.num_workers=1",
+        # An SFT warm start long enough for the rollouts to reach the tool (test_tool_train's).
+        "sft.steps=150",
+        "sft.batch_size=16",
+        "sft.optim.learning_rate=5e-3",
+        "sampler.max_tokens=64",
+        "rl.algo=distill",
+        "rl.steps=2",
+        f"model.path={folders['plain']}",
+        f"rl.distill.teacher={folders['peaked']}",
+        f"run.out_dir={tool}",
+    )
+    lines = _rl_lines(tool)
+    assert len(lines) == 2 and all(math.isfinite(x["distill/reverse_kl"]) for x in lines)
+    assert all(x["distill/reverse_kl"] > 0.01 for x in lines)  # another teacher: a real signal
+    assert sum(x["tool/env_tokens_mean"] for x in lines) > 0  # the environment spoke
+
+
 def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
     from jaxrlvr import assembly, builders, preflight, teachers
     from jaxrlvr import config as config_lib
