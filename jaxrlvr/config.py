@@ -619,15 +619,11 @@ def check_sampler_section(s: SamplerSection) -> None:
 
 def check_distill_section(d: DistillSection) -> None:
     if not d.kl_coef >= 0 or not d.reward_coef >= 0:
-        raise ValueError(
-            f"kl_coef={d.kl_coef!r} and reward_coef={d.reward_coef!r} must be >= 0"
-        )
+        raise ValueError(f"kl_coef={d.kl_coef!r} and reward_coef={d.reward_coef!r} must be >= 0")
     if not (isinstance(d.top_k, int) and d.top_k >= 1):
         raise ValueError(f"top_k={d.top_k!r}: expected an int >= 1")
     if not 0 <= d.beta <= 1 or not d.temperature > 0:
-        raise ValueError(
-            f"beta={d.beta!r} must be in [0, 1] and temperature={d.temperature!r} > 0"
-        )
+        raise ValueError(f"beta={d.beta!r} must be in [0, 1] and temperature={d.temperature!r} > 0")
 
 
 def check_rl_section(rl: RLSection) -> None:
