@@ -150,10 +150,17 @@ def eval_accuracy(path):
 
 def two_teachers(root="runs/distill"):
     """The two-teacher table (scripts/distill_two_teachers.sh), when its runs exist: each task's
-    held-out accuracy of its own teacher, the mixture warm start and the distilled student, and
-    the student's per-domain reverse KL (mean of the first and last 10 steps)."""
+    held-out accuracy of its own teacher, the mixture warm start and the distilled students (one
+    per seed: two_teachers, two_teachers_s<seed>), mean +- sd over seeds, and each student's
+    per-domain reverse KL (mean of the first and last 10 steps)."""
     ev = os.path.join(root, "two_eval")
-    if not os.path.exists(os.path.join(ev, "two_teachers_code_demo.txt")):
+    students = sorted(
+        n
+        for n in os.listdir(root)
+        if re.fullmatch(r"two_teachers(_s\d+)?", n)
+        and os.path.exists(os.path.join(ev, f"{n}_code_demo.txt"))
+    )
+    if not students:
         return
     teachers = {
         "demo": read_json(os.path.join(root, "teacher", "summary.json"))["eval_accuracy_final"],
@@ -161,28 +168,29 @@ def two_teachers(root="runs/distill"):
             "eval_accuracy_final"
         ],
     }
-    with open(os.path.join(root, "two_teachers", "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "distill/arith/reverse_kl" in r]
-    kl = {
-        d: (
-            np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[:10]]),
-            np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[-10:]]),
-        )
-        for d in ("arith", "code")
-    }
+    kl = {}
+    for n in students:
+        with open(os.path.join(root, n, "metrics.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if "distill/arith/reverse_kl" in r]
+        for d in ("arith", "code"):
+            kl[n, d] = (
+                np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[:10]]),
+                np.mean([r[f"distill/{d}/reverse_kl"] for r in rows[-10:]]),
+            )
     print()
     print(
-        "| task | its teacher | mixture warm start | two-teacher student "
-        "| reverse KL to its teacher |"
+        "| task | its teacher | mixture warm start | two-teacher students "
+        f"({' / '.join(students)}) | mean +- sd | reverse KL to its teacher |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for task, domain in (("demo", "arith"), ("code_demo", "code")):
         ws = eval_accuracy(os.path.join(ev, f"two_sft_{task}.txt"))
-        st = eval_accuracy(os.path.join(ev, f"two_teachers_{task}.txt"))
-        a, b = kl[domain]
+        acc = [eval_accuracy(os.path.join(ev, f"{n}_{task}.txt")) for n in students]
+        sd = np.std(acc, ddof=1) if len(acc) > 1 else 0.0
+        kls = " / ".join(f"{kl[n, domain][0]:.3f} -> {kl[n, domain][1]:.3f}" for n in students)
         print(
-            f"| {domain} ({task}.yaml held-out) | {teachers[task]:.4f} | {ws:.4f} | {st:.4f} "
-            f"| {a:.3f} -> {b:.3f} |"
+            f"| {domain} ({task}.yaml held-out) | {teachers[task]:.3f} | {ws:.3f} "
+            f"| {' / '.join(f'{x:.3f}' for x in acc)} | {np.mean(acc):.3f} +- {sd:.3f} | {kls} |"
         )
 
 
