@@ -145,3 +145,24 @@ def test_update_is_exact_under_microbatching_and_trains_every_part(family, metho
         parts = ("['gate']", "gate_proj", "up_proj", "down_proj")  # the router, the experts
         for part in parts:
             assert max(v for k, v in moved.items() if "mlp" in k and part in k) > 0.0, part
+
+
+def test_grpo_update_on_a_mixed_dense_and_sparse_layout_trains_both_stacks():
+    """A Qwen3-MoE whose layer 0 is dense (``mlp_only_layers=[0]``) and layers 1-2 sparse: one
+    GRPO update with 2 microbatches is finite and moves the dense stack's MLP
+    (``model.dense_layers``), the sparse stack's router and experts (``model.layers``) and both
+    stacks' attention."""
+    cfg = M.ModelConfig.tiny(**_FAMILIES["qwen3_moe"], num_hidden_layers=3, mlp_only_layers=(0,))
+    graphdef, params = nnx.split(M.init_model(cfg, seed=0), nnx.Param)
+    new, m, key = _run("grpo", cfg, graphdef, params, 2)
+    assert np.isfinite(float(m[key]))
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: a - b, new, params))[0]
+    moved = {jax.tree_util.keystr(k): float(jnp.max(jnp.abs(v))) for k, v in flat}
+
+    def most(stack, part):
+        return max(v for k, v in moved.items() if f"['{stack}']" in k and part in k)
+
+    for part in ("gate_proj", "up_proj", "down_proj", "self_attn"):
+        assert most("dense_layers", part) > 0.0, part
+    for part in ("['gate']", "experts", "self_attn"):
+        assert most("layers", part) > 0.0, part
