@@ -742,22 +742,16 @@ def check_config(cfg: TrainConfig) -> None:
     """The config's own values, section by section (``SECTION_CHECKS``), then the sections
     against each other (``check_consistency``): one line, ``<section>: <problem>``, at the first
     problem (``configlib.ConfigKeyError``, or the check's own error when it is one)."""
-    for key, check_section in SECTION_CHECKS:
-        section = cfg
-        for part in key.split("."):
-            section = getattr(section, part)
+    for key, check in (*SECTION_CHECKS, ("TrainConfig", check_consistency)):
+        target = cfg
+        for part in key.split(".") if key != "TrainConfig" else ():
+            target = getattr(target, part)
         try:
-            check_section(section)
+            check(target)
         except configlib.ConfigKeyError:
             raise
         except (ValueError, TypeError) as e:
             raise configlib.ConfigKeyError(f"{key}: {e}") from None
-    try:
-        check_consistency(cfg)
-    except configlib.ConfigKeyError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise configlib.ConfigKeyError(f"TrainConfig: {e}") from None
 
 
 def load_config_dict(path: str, _seen: tuple[str, ...] = ()) -> dict:
