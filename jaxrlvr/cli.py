@@ -132,12 +132,95 @@ def _cmd_eval(argv):
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
+    _eval_flags(p)
     args = p.parse_args(argv)
-    cfg = config_lib.load_config(args.config, args.overrides)
-    result = evaluation.evaluate_only(cfg, run_dir=args.checkpoint)
+    cfg = config_lib.load_config(args.config, [*args.overrides, *eval_overrides(args)])
+    sampled = args.report is not None or args.plot is not None or cfg.eval.pass_k or cfg.eval.maj_k
+    if not sampled:  # the plain held-out metrics, as before
+        result = evaluation.evaluate_only(cfg, run_dir=args.checkpoint)
+        _print_metrics(result)
+        return 0
+    result, rows = evaluation.evaluate_only_detailed(
+        cfg, run_dir=args.checkpoint, chunk=args.chunk, progress=not args.no_progress
+    )
+    _print_metrics(result)
+    where = args.checkpoint or cfg.run.out_dir
+    report_path = args.report or os.path.join(where, "eval", "report.json")
+    meta = {
+        "config": args.config,
+        "checkpoint": args.checkpoint,
+        "model": cfg.model.path,
+        "sampler": cfg.sampler.kind,
+        "temperature": cfg.sampler.eval_temperature,
+        "top_p": cfg.sampler.eval_top_p,
+        "max_tokens": cfg.sampler.eval_max_tokens or cfg.sampler.max_tokens,
+        "seed": cfg.run.seed,
+        "samples_per_problem": cfg.eval.samples_per_problem,
+        "pass_k": list(cfg.eval.pass_k),
+        "maj_k": list(cfg.eval.maj_k),
+    }
+    report = evaluation.write_report(report_path, result, rows, meta=meta)
+    print(f"wrote {report_path}")
+    if rows:
+        from jaxrlvr import plots
+
+        plot_path = args.plot or os.path.splitext(report_path)[0] + "_pass_at_k.png"
+        plots.write_pass_at_k_plot(plot_path, [plots.curve_of_report(report, label=where)])
+        print(f"wrote {plot_path}")
+    return 0
+
+
+def _eval_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "sampled metrics (docs/evaluation.md); each flag sets the config key named in its help"
+    )
+    g.add_argument("--model", help="a Hugging Face folder to evaluate (model.path)")
+    g.add_argument("--samples", type=int, help="samples per problem n (eval.samples_per_problem)")
+    g.add_argument("--k", help="pass@k for these k, e.g. 1,4,16,64 (eval.pass_k)")
+    g.add_argument("--maj", help="maj@k for these k, e.g. 8,64 (eval.maj_k)")
+    g.add_argument("--temperature", type=float, help="sampler.eval_temperature")
+    g.add_argument("--top-p", type=float, help="sampler.eval_top_p")
+    g.add_argument("--max-tokens", type=int, help="sampler.eval_max_tokens")
+    g.add_argument("--max-problems", type=int, help="eval.max_problems")
+    g.add_argument(
+        "--vllm-url", help="sample from this vLLM server (sampler.kind=vllm, sampler.vllm_urls)"
+    )
+    g.add_argument("--report", help="JSON report (default: RUN_DIR/eval/report.json)")
+    g.add_argument("--plot", help="pass@k curve PNG (default: beside the report)")
+    g.add_argument("--chunk", type=int, default=16, help="problems per sampler call (progress)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def eval_overrides(args) -> list[str]:
+    """The config overrides ``jaxrlvr eval``'s sampling flags stand for (``--k 1,4`` ->
+    ``eval.pass_k=[1, 4]``); a bad k list is one line."""
+    from jaxrlvr import passk
+
+    out = []
+    if args.model is not None:
+        out.append(f"model.path={args.model}")
+    if args.samples is not None:
+        out.append(f"eval.samples_per_problem={args.samples}")
+    if args.k is not None:
+        out.append(f"eval.pass_k={list(passk.parse_ks(args.k, '--k'))}")
+    if args.maj is not None:
+        out.append(f"eval.maj_k={list(passk.parse_ks(args.maj, '--maj'))}")
+    for flag, key in (
+        ("temperature", "sampler.eval_temperature"),
+        ("top_p", "sampler.eval_top_p"),
+        ("max_tokens", "sampler.eval_max_tokens"),
+        ("max_problems", "eval.max_problems"),
+    ):
+        if getattr(args, flag) is not None:
+            out.append(f"{key}={getattr(args, flag)}")
+    if args.vllm_url is not None:
+        out += ["sampler.kind=vllm", f'sampler.vllm_urls=["{args.vllm_url}"]']
+    return out
+
+
+def _print_metrics(result: dict) -> None:
     for key, value in sorted(result.items()):
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
-    return 0
 
 
 def _cmd_pairs(argv):
@@ -262,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "  sft CONFIG [key=value ...] [--resume | --overwrite]    supervised fine-tuning only"
         )
-        print("  eval CONFIG [--checkpoint RUN_DIR]        held-out accuracy")
+        print(
+            "  eval CONFIG [--checkpoint RUN_DIR | --model DIR] [--samples N --k 1,4 --maj 8]"
+            "  pass@k, maj@k"
+        )
         print("  pairs CONFIG --out FILE [--checkpoint RUN_DIR] [--k K]  graded preference pairs")
         print("  plot RUN_DIR [RUN_DIR ...] [--out DIR]    PNG curves, runs overlaid")
         print(

@@ -202,6 +202,8 @@ class SamplerSection:
     ``vllm_gpu_memory_utilization`` (default 0.35; 0.9 on GPUs of its own).
     ``vllm_dtype``: "auto" (float32 on the CPU, bfloat16 on GPUs), "float32" or "bfloat16"; the
     per-step weight export uses it too. ``vllm_extra_args``: more api_server flags.
+    ``eval_temperature``, ``eval_top_p``, ``eval_max_tokens`` (None: ``max_tokens``): the held-out
+    evaluation's sampling (top-k off); ``jaxrlvr eval --temperature --top-p --max-tokens`` set them.
     """
 
     kind: Literal["jax", "vllm"] = "jax"
@@ -212,6 +214,7 @@ class SamplerSection:
     stop: tuple[str, ...] = ("</answer>",)
     thinking_budget: int | None = None
     eval_temperature: float = 0.0
+    eval_top_p: float = 1.0
     eval_max_tokens: int | None = None
     vllm_urls: tuple[str, ...] = ()
     vllm_python: str | None = None
@@ -454,12 +457,31 @@ class PrefSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
     """Held-out evaluation at ``sampler.eval_temperature``; accuracy is the mean over
-    ``samples_per_problem`` samples of each of the first ``max_problems`` problems (avg@n)."""
+    ``samples_per_problem`` samples of each of the first ``max_problems`` problems (avg@n).
+
+    ``pass_k`` / ``maj_k``: the k of the unbiased ``eval/pass@k`` and of the majority vote
+    ``eval/maj@k`` reported beside it (``jaxrlvr.passk``; docs/evaluation.md), each with its
+    standard error over problems (``eval/pass@k_se``); every k at most ``samples_per_problem``.
+    """
 
     every: int = 10
     max_problems: int = 200
     samples_per_problem: int = 1
     at_start: bool = True
+    pass_k: tuple[int, ...] = ()
+    maj_k: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("pass_k", "maj_k"):
+            ks = getattr(self, name)
+            ks = (ks,) if isinstance(ks, int) else tuple(ks)
+            object.__setattr__(self, name, ks)
+            for k in ks:
+                if not isinstance(k, int) or not 1 <= k <= self.samples_per_problem:
+                    raise ValueError(
+                        f"eval.{name}: {k!r} must be an integer in 1..eval.samples_per_problem "
+                        f"({self.samples_per_problem})"
+                    )
 
 
 ToolName = Literal["python", "calculator"]
@@ -573,7 +595,9 @@ def check_sampler_section(s: SamplerSection) -> None:
     )
     eval_max_tokens = s.max_tokens if s.eval_max_tokens is None else s.eval_max_tokens
     try:
-        sampling_base.SamplingParams(temperature=s.eval_temperature, max_tokens=eval_max_tokens)
+        sampling_base.SamplingParams(
+            temperature=s.eval_temperature, top_p=s.eval_top_p, max_tokens=eval_max_tokens
+        )
     except ValueError as e:
         raise ValueError(f"eval_{e}") from None
     bind.check_bind_host(

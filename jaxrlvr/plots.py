@@ -148,7 +148,19 @@ def plot_main(argv: Sequence[str]) -> int:
         "--keys", default=",".join(DEFAULT_KEYS), help="comma-separated metric keys to plot"
     )
     p.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1)")
+    fit = p.add_argument_group("compute curves (jaxrlvr.scaling; docs/evaluation.md)")
+    fit.add_argument(
+        "--fit",
+        action="store_true",
+        help="fit ScaleRL's sigmoid to each run's pass rate against RL FLOPs; print A, B, C_mid",
+    )
+    fit.add_argument("--fit-key", default="eval/accuracy", help="the pass-rate metric fitted")
+    fit.add_argument(
+        "--fit-min-compute", type=float, default=0.0, help="leave out points below these FLOPs"
+    )
     args = p.parse_args(list(argv))
+    if args.fit:
+        return fit_main(args.run_dirs, args.out, args.fit_key, args.fit_min_compute)
     keys = [k.strip() for k in args.keys.split(",") if k.strip()]
     if not keys:
         raise ValueError("--keys is empty")
@@ -158,4 +170,79 @@ def plot_main(argv: Sequence[str]) -> int:
         raise ValueError(f"none of the keys {keys} is in any run's {metrics.METRICS_FILE}")
     for path in written:
         print(path)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# pass@k curves (``jaxrlvr eval``'s report; docs/evaluation.md)
+
+
+def curve_of_report(report: dict, *, label: str) -> dict:
+    """A ``write_pass_at_k_plot`` curve from ``jaxrlvr eval``'s JSON report: its pass@k curve
+    (k = 1, 2, 4, ..., n) and its maj@k points."""
+    agg = report["aggregate"]
+    maj = {int(k): (agg[f"eval/maj@{k}"], agg.get(f"eval/maj@{k}_se")) for k in report["maj_k"]}
+    curve = report["curve"]
+    return {"label": label, "k": curve["k"], "pass": curve["pass"], "se": curve["se"], "maj": maj}
+
+
+def pass_at_k_figure(curves: Sequence[dict]) -> matplotlib.figure.Figure:
+    """pass@k against k (log 2 axis), one line per curve with +-1 standard error bars, and its
+    maj@k as hollow markers of the same colour."""
+    fig = matplotlib.figure.Figure(figsize=(7, 4.2), dpi=100)
+    ax = fig.add_subplot()
+    for i, c in enumerate(curves):
+        color = f"C{i % 10}"
+        se = [0.0 if s is None or not np.isfinite(s) else s for s in c["se"]]
+        ax.errorbar(
+            c["k"], c["pass"], yerr=se, color=color, marker="o", capsize=3, label=c["label"]
+        )
+        if c.get("maj"):
+            ks = sorted(c["maj"])
+            ax.plot(
+                ks,
+                [c["maj"][k][0] for k in ks],
+                linestyle="none",
+                marker="s",
+                markerfacecolor="none",
+                color=color,
+                label=f"{c['label']} maj@k",
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (samples)")
+    ax.set_ylabel("pass@k (unbiased)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("pass@k")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def save(fig: matplotlib.figure.Figure, path: str) -> str:
+    """Saves ``fig`` through the Agg canvas (no pyplot) to ``path`` (its folder created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    matplotlib.backends.backend_agg.FigureCanvasAgg(fig)
+    fig.savefig(path)
+    return path
+
+
+def write_pass_at_k_plot(path: str, curves: Sequence[dict]) -> str:
+    """Writes the pass@k figure of ``curves`` (``curve_of_report``) to ``path``."""
+    return save(pass_at_k_figure(curves), path)
+
+
+def fit_main(run_dirs: Sequence[str], out: str | None, key: str, min_compute: float) -> int:
+    """``jaxrlvr plot RUN_DIR ... --fit``: prints each run's fitted A, B, C_mid (+- standard
+    errors) and writes ``OUT/fit_<key>.png`` with the runs and their fits overlaid."""
+    from jaxrlvr import scaling
+
+    curves = []
+    for label, d in zip(run_labels(run_dirs), run_dirs):
+        compute, rate, r0 = scaling.run_curve(d, key, min_compute=min_compute)
+        fit = scaling.fit_sigmoid(compute, rate, r0)
+        print(f"{label}: {fit.describe()}")
+        curves.append({"label": label, "compute": compute, "rate": rate, "r0": r0, "fit": fit})
+    out = out or os.path.join(run_dirs[0], "plots")
+    print(save(scaling.fit_figure(curves), os.path.join(out, "fit_" + _file_name(key))))
     return 0

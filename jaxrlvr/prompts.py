@@ -47,7 +47,7 @@ def sampling_params(
         (stop_ids.append(ids[0]) if len(ids) == 1 else stop_strings.append(text))
     return sampling_base.SamplingParams(
         temperature=s.eval_temperature if eval_mode else s.temperature,
-        top_p=1.0 if eval_mode else s.top_p,
+        top_p=s.eval_top_p if eval_mode else s.top_p,
         top_k=0 if eval_mode else s.top_k,
         max_tokens=(s.eval_max_tokens or s.max_tokens) if eval_mode else s.max_tokens,
         stop_token_ids=tuple(stop_ids),

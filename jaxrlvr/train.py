@@ -158,7 +158,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the live sampler's policy."""
         c = self.cfg
-        return evaluation.evaluate(self.ctx, c.eval, c.sampler, seed=c.run.seed)
+        return evaluation.evaluate(
+            self.ctx, c.eval, c.sampler, seed=c.run.seed, reward_names=evaluation.reward_names(c)
+        )
 
     def _evaluate_hook(self, info: base.StepInfo) -> None:
         """Evaluates, adds the metrics to the step's line, and records them (the evaluation after
