@@ -144,6 +144,10 @@ def _cmd_eval(argv):
         cfg, run_dir=args.checkpoint, chunk=args.chunk, progress=not args.no_progress
     )
     _print_metrics(result)
+    heads = [f"pass@{k}" for k in cfg.eval.pass_k] + [f"maj@{k}" for k in cfg.eval.maj_k]
+    print(
+        "  ".join(f"{h} {result[f'eval/{h}']:.4f} +- {result[f'eval/{h}_se']:.4f}" for h in heads)
+    )
     where = args.checkpoint or cfg.run.out_dir
     report_path = args.report or os.path.join(where, "eval", "report.json")
     meta = {
@@ -165,7 +169,8 @@ def _cmd_eval(argv):
         from jaxrlvr import plots
 
         plot_path = args.plot or os.path.splitext(report_path)[0] + "_pass_at_k.png"
-        plots.write_pass_at_k_plot(plot_path, [plots.curve_of_report(report, label=where)])
+        label = os.path.basename(os.path.normpath(where))
+        plots.write_pass_at_k_plot(plot_path, [plots.curve_of_report(report, label=label)])
         print(f"wrote {plot_path}")
     return 0
 

@@ -6,6 +6,10 @@ by a debiased exponential moving average (TensorBoard's smoothing), labelled wit
 directory's name. Data come from each run's ``metrics.jsonl`` (``jaxrlvr.metrics``); null values
 (non-finite when logged) are left out, and a key a run never logged is skipped for that run.
 
+``--pass-k``: the arguments are ``jaxrlvr eval`` reports, whose pass@k curves (and maj@k points)
+are overlaid; ``--fit``: ScaleRL's sigmoid fitted to each run's pass rate against RL compute
+(``jaxrlvr.scaling``), printed and overlaid (docs/evaluation.md).
+
 Figures are drawn with ``matplotlib.figure.Figure`` and saved through the Agg canvas, never
 through pyplot, so this sets no global backend and leaks no figures.
 Left out: interactive plots, confidence bands over seeds, and wall-clock x axes.
@@ -158,7 +162,14 @@ def plot_main(argv: Sequence[str]) -> int:
     fit.add_argument(
         "--fit-min-compute", type=float, default=0.0, help="leave out points below these FLOPs"
     )
+    p.add_argument(
+        "--pass-k",
+        action="store_true",
+        help="the arguments are jaxrlvr eval reports (JSON): overlay their pass@k curves",
+    )
     args = p.parse_args(list(argv))
+    if args.pass_k:
+        return pass_k_main(args.run_dirs, args.out or ".")
     if args.fit:
         return fit_main(args.run_dirs, args.out, args.fit_key, args.fit_min_compute)
     keys = [k.strip() for k in args.keys.split(",") if k.strip()]
@@ -245,4 +256,21 @@ def fit_main(run_dirs: Sequence[str], out: str | None, key: str, min_compute: fl
         curves.append({"label": label, "compute": compute, "rate": rate, "r0": r0, "fit": fit})
     out = out or os.path.join(run_dirs[0], "plots")
     print(save(scaling.fit_figure(curves), os.path.join(out, "fit_" + _file_name(key))))
+    return 0
+
+
+def pass_k_main(reports: Sequence[str], out: str) -> int:
+    """``jaxrlvr plot REPORT.json ... --pass-k``: the reports' pass@k curves overlaid in
+    ``OUT/pass_at_k.png``, each labelled with its file name."""
+    import json
+
+    curves = []
+    for path in reports:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no eval report {path}")
+        with open(path) as f:
+            report = json.load(f)
+        label = os.path.splitext(os.path.basename(path))[0]
+        curves.append(curve_of_report(report, label=label))
+    print(write_pass_at_k_plot(os.path.join(out, "pass_at_k.png"), curves))
     return 0

