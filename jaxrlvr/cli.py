@@ -134,14 +134,32 @@ def _cmd_eval(argv):
     p.add_argument("--checkpoint", help="run directory whose newest checkpoint is evaluated")
     _eval_flags(p)
     args = p.parse_args(argv)
-    cfg = config_lib.load_config(args.config, [*args.overrides, *eval_overrides(args)])
-    sampled = args.report is not None or args.plot is not None or cfg.eval.pass_k or cfg.eval.maj_k
+    problems, bench_overrides = None, []
+    if args.benchmark is not None:
+        from jaxrlvr.data import benchmarks
+
+        problems, _ = benchmarks.load_benchmark(args.benchmark, args.benchmark_file)
+        bench_overrides = benchmarks.reward_overrides(args.benchmark)
+    cfg = config_lib.load_config(
+        args.config, [*args.overrides, *bench_overrides, *eval_overrides(args)]
+    )
+    sampled = (
+        args.report is not None
+        or args.plot is not None
+        or cfg.eval.pass_k
+        or cfg.eval.maj_k
+        or problems is not None
+    )
     if not sampled:  # the plain held-out metrics, as before
         result = evaluation.evaluate_only(cfg, run_dir=args.checkpoint)
         _print_metrics(result)
         return 0
     result, rows = evaluation.evaluate_only_detailed(
-        cfg, run_dir=args.checkpoint, chunk=args.chunk, progress=not args.no_progress
+        cfg,
+        run_dir=args.checkpoint,
+        chunk=args.chunk,
+        progress=not args.no_progress,
+        problems=problems,
     )
     _print_metrics(result)
     heads = [f"pass@{k}" for k in cfg.eval.pass_k] + [f"maj@{k}" for k in cfg.eval.maj_k]
@@ -152,6 +170,7 @@ def _cmd_eval(argv):
     report_path = args.report or os.path.join(where, "eval", "report.json")
     meta = {
         "config": args.config,
+        "benchmark": args.benchmark,
         "checkpoint": args.checkpoint,
         "model": cfg.model.path,
         "sampler": cfg.sampler.kind,
@@ -176,6 +195,8 @@ def _cmd_eval(argv):
 
 
 def _eval_flags(p: argparse.ArgumentParser) -> None:
+    from jaxrlvr.data import benchmarks
+
     g = p.add_argument_group(
         "sampled metrics (docs/evaluation.md); each flag sets the config key named in its help"
     )
@@ -189,6 +210,14 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-problems", type=int, help="eval.max_problems")
     g.add_argument(
         "--vllm-url", help="sample from this vLLM server (sampler.kind=vllm, sampler.vllm_urls)"
+    )
+    g.add_argument(
+        "--benchmark",
+        choices=tuple(benchmarks.BENCHMARKS),
+        help="evaluate on this benchmark's problems (data.benchmarks) with its verifier",
+    )
+    g.add_argument(
+        "--benchmark-file", help="the benchmark's local file (humaneval: the package's own)"
     )
     g.add_argument("--report", help="JSON report (default: RUN_DIR/eval/report.json)")
     g.add_argument("--plot", help="pass@k curve PNG (default: beside the report)")

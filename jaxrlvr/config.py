@@ -479,7 +479,7 @@ class EvalSection:
             for k in ks:
                 if not isinstance(k, int) or not 1 <= k <= self.samples_per_problem:
                     raise ValueError(
-                        f"eval.{name}: {k!r} must be an integer in 1..eval.samples_per_problem "
+                        f"{name}={list(ks)}: {k!r} is not an integer in 1..samples_per_problem "
                         f"({self.samples_per_problem})"
                     )
 

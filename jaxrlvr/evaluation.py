@@ -248,14 +248,18 @@ def evaluate_only_detailed(
     *,
     chunk: int | None = None,
     progress: bool = False,
+    problems: list[loading.Problem] | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """``evaluate_only`` with ``evaluate_detailed``'s rows per problem (``jaxrlvr eval``)."""
+    """``evaluate_only`` with ``evaluate_detailed``'s rows per problem (``jaxrlvr eval``);
+    ``problems`` (a benchmark's, ``data.benchmarks``) replace the config's held-out problems."""
     if run_dir is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
     cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
     assembly.start_backend(cfg)  # vLLM's GPUs stay free
     ctx, _ = assembly.assemble(cfg, mode="eval", checkpoint=run_dir)
+    if problems is not None:
+        ctx.eval_problems = problems
     try:
         return evaluate_detailed(
             ctx,

@@ -415,3 +415,15 @@ def test_a_run_dir_nothing_can_be_written_to_is_refused_first(capsys, tmp_path):
     code, _, err = _main(capsys, "train", DEMO, f"run.out_dir={deep}", f"data.train={missing}")
     assert code == 2 and "file not found" in err
     assert not (tmp_path / "a").exists()
+
+
+def test_eval_k_beyond_the_samples_and_bad_k_lists_are_one_line(capsys):
+    code, out, err = _main(capsys, "eval", DEMO, "--samples", "4", "--k", "1,64")
+    assert (code, out) == (2, "")
+    assert err == (
+        "jaxrlvr eval: config error: eval: pass_k=[1, 64]: 64 is not an integer in "
+        "1..samples_per_problem (4)\n"
+    )
+    code, out, err = _main(capsys, "eval", DEMO, "--maj", "8,x")
+    assert (code, out) == (2, "")
+    assert err == "jaxrlvr eval: error: --maj must be comma-separated integers, got '8,x'\n"

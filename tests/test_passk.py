@@ -39,7 +39,9 @@ def _brute(votes, correct, k):
             continue
         top = max(counts.values())
         tied = [v for v, m in counts.items() if m == top]
-        by_class = {v: np.mean([correct[i] for i in range(len(votes)) if votes[i] == v]) for v in tied}
+        by_class = {
+            v: np.mean([correct[i] for i in range(len(votes)) if votes[i] == v]) for v in tied
+        }
         maj.append(float(np.mean([by_class[v] for v in tied])))
     return np.mean(pas), np.mean(maj), np.mean(avg)
 
@@ -76,7 +78,9 @@ def test_maj_at_k_special_cases():
 
 
 def test_bad_k_is_one_line_error():
-    with pytest.raises(ValueError, match=r"^k=5 needs 1 <= k <= n, the samples per problem \(n=4\)$"):
+    with pytest.raises(
+        ValueError, match=r"^k=5 needs 1 <= k <= n, the samples per problem \(n=4\)$"
+    ):
         passk.pass_at_k(4, 1, 5)
     with pytest.raises(ValueError, match="maj k=8 needs"):
         passk.summarize([[1.0] * 4], [["a"] * 4], [1], [8])

@@ -20,6 +20,8 @@ def test_demo_pipeline_end_to_end(tmp_path):
         "rl.steps=3",
         "eval.every=2",
         "checkpoint.every=2",
+        "eval.pass_k=[1,4]",
+        "eval.maj_k=[4]",
         *runs.TINY,
     )
     assert "held-out accuracy after SFT warm start" in proc.stdout
@@ -46,8 +48,14 @@ def test_demo_pipeline_end_to_end(tmp_path):
         "time/update_s",
         "throughput/sample_tokens_per_s",
         "eval/accuracy",
+        "eval/pass@4",
+        "eval/pass@4_se",
+        "eval/maj@4",
     ):
         assert key in rl_line, key
+    # 0/1 rewards: pass@1 is the accuracy (avg@n), and pass@k grows with k.
+    assert rl_line["eval/pass@1"] == pytest.approx(rl_line["eval/accuracy"], abs=1e-12)
+    assert rl_line["eval/pass@4"] >= rl_line["eval/pass@1"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sft_steps"] == 4 and summary["rl_steps"] == 3
     assert summary["eval_accuracy_after_sft"] is not None
@@ -73,7 +81,8 @@ def test_demo_pipeline_end_to_end(tmp_path):
     assert json.loads((tmp_path / "hf6" / "jaxrlvr_export.json").read_text())["step"] == 6
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 7
 
-    # eval on the run's checkpoint
+    # eval on the run's checkpoint: sampled metrics, a JSON report and a pass@k plot
+    report = tmp_path / "eval" / "report.json"
     proc = runs.jaxrlvr(
         "eval",
         "configs/demo.yaml",
@@ -81,8 +90,14 @@ def test_demo_pipeline_end_to_end(tmp_path):
         *runs.TINY,
         "--checkpoint",
         str(run_dir),
+        *("--samples", "8", "--k", "1,2,8", "--maj", "8", "--report", str(report)),
     )
-    assert "eval/accuracy" in proc.stdout
+    assert "eval/accuracy" in proc.stdout and "pass@8 " in proc.stdout and "maj@8 " in proc.stdout
+    data = json.loads(report.read_text())
+    assert len(data["problems"]) == 16 and data["curve"]["k"] == [1, 2, 4, 8]
+    assert data["aggregate"]["eval/pass@1"] == pytest.approx(data["aggregate"]["eval/accuracy"])
+    assert all(len(p["votes"]) == 8 for p in data["problems"])
+    assert (tmp_path / "eval" / "report_pass_at_k.png").stat().st_size > 1000
 
     # plot two runs overlaid
     proc = runs.jaxrlvr("plot", str(run_dir), str(run_dir), "--out", str(tmp_path / "plots"))

