@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,14 +95,17 @@ def fit_sigmoid(compute: Sequence[float], rate: Sequence[float], r0: float) -> S
 
     lo, hi = log_c.min() - 10.0, log_c.max() + 10.0
     p0 = (float(np.clip(y.max(), 0.0, 1.0)), 1.0, float(np.median(log_c)))
-    params, cov = optimize.curve_fit(
-        model,
-        c,
-        y,
-        p0=p0,
-        bounds=([0.0, 1e-3, lo], [1.0, 50.0, hi]),
-        maxfev=20000,
-    )
+    with warnings.catch_warnings():
+        # Points that do not determine a parameter (a flat curve): its SE is reported as NaN.
+        warnings.simplefilter("ignore", optimize.OptimizeWarning)
+        params, cov = optimize.curve_fit(
+            model,
+            c,
+            y,
+            p0=p0,
+            bounds=([0.0, 1e-3, lo], [1.0, 50.0, hi]),
+            maxfev=20000,
+        )
     a, b, log_mid = (float(x) for x in params)
     se = np.sqrt(np.diag(cov)) if np.all(np.isfinite(cov)) else np.full(3, np.nan)
     c_mid = float(np.exp(log_mid))
