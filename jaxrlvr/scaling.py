@@ -17,14 +17,15 @@ directory's points:
   ``metrics.jsonl``; R0 is the evaluation at RL compute 0 (after the SFT warm start, or the
   run's first), which the fit holds fixed and leaves out of the fit's points.
 - C: the RL phase's cumulative model FLOPs from the bench formula
-  (``ModelConfig.flops_per_token``, as ``bench loop``'s ``update_gflop`` computes it for the
-  run's own config.yaml): per RL step, with ``P`` the mean rendered prompt tokens of the run's
-  training problems, ``rollouts = rl.prompts_per_step x rl.group_size`` and ``R_t`` the step's
-  logged ``tokens/response``, the sampler costs one forward pass over its tokens,
-  ``forward(P + max_tokens) x (rollouts x P + R_t)``, and the update three (forward and backward)
-  per epoch, ``3 x forward(...) x (rollouts x P + R_t) x rl.epochs_per_step``. Left out: the
-  SFT warm start, the old / reference log-prob forwards of ``prepare``, the evaluations, shared
-  prompts counted once (each rollout is counted with its own prompt), and tokens a filter drops.
+  (``ModelConfig.flops_per_token`` through ``rollout_shape``, which ``bench loop``'s
+  ``update_gflop`` uses too, on the run's own config.yaml). Per RL step, with ``P`` the mean
+  rendered prompt tokens of the run's training problems, ``rollouts = rl.prompts_per_step x
+  rl.group_size`` and ``R_t`` the step's logged ``tokens/response``: the sampler costs one
+  forward pass over its tokens, ``forward(P + max_tokens) x (rollouts x P + R_t)``, and the
+  update three (forward and backward) per epoch, ``3 x forward(...) x (rollouts x P + R_t) x
+  rl.epochs_per_step``. Left out: the SFT warm start, the old / reference log-prob forwards of
+  ``prepare``, the evaluations, shared prompts counted once (each rollout is counted with its
+  own prompt), and tokens a filter drops.
 
 Left out: fitting R0, and ScaleRL's exclusion of the early compute (pass ``min_compute``).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import warnings
 from collections.abc import Sequence
 
@@ -121,19 +123,40 @@ def fit_sigmoid(compute: Sequence[float], rate: Sequence[float], r0: float) -> S
     )
 
 
+def rollout_shape(cfg) -> dict[str, float]:
+    """One RL step of ``cfg`` (a ``TrainConfig``) as the bench formula sees it: ``rollouts``
+    (``rl.prompts_per_step x rl.group_size``), ``prompt_tokens`` (the mean rendered prompt of the
+    training problems) and ``flops_per_token`` (forward + backward, at rows of prompt +
+    ``sampler.max_tokens``); ``bench loop``'s update GFLOP/s uses the same."""
+    from jaxrlvr import builders
+    from jaxrlvr import prompts as prompt_lib
+
+    tokenizer = builders.build_tokenizer(cfg.model)
+    problems, _ = builders.load_splits(cfg)
+    prompt = statistics.fmean(
+        len(prompt_lib.encode(tokenizer, prompt_lib.render(cfg.data.template, p, tokenizer)))
+        for p in problems
+    )
+    model_cfg = builders.model_config(cfg.model, tokenizer)
+    return {
+        "rollouts": cfg.rl.prompts_per_step * cfg.rl.group_size,
+        "prompt_tokens": prompt,
+        "flops_per_token": model_cfg.flops_per_token(int(prompt + cfg.sampler.max_tokens)),
+    }
+
+
 def step_flops(run_dir: str) -> tuple[float, float]:
     """(FLOPs per rollout token, prompt tokens per step) of the run's config.yaml: an RL step
     computes ``FLOPs per token x (prompt tokens per step + its tokens/response)``, the FLOPs per
     token being one sampler forward plus ``rl.epochs_per_step`` update forward + backward passes
     (the module docstring)."""
     from jaxrlvr import config as config_lib
-    from jaxrlvr.bench import loop
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.yaml in {run_dir} (needed for its FLOP count)")
-    shape = loop.update_gflop(path, [])
     cfg = config_lib.load_config(path, [])
+    shape = rollout_shape(cfg)
     train_fpt = shape["flops_per_token"]  # forward + backward: 3 forwards
     per_token = train_fpt / 3.0 + train_fpt * cfg.rl.epochs_per_step
     return per_token, shape["rollouts"] * shape["prompt_tokens"]

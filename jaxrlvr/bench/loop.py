@@ -221,24 +221,12 @@ def matmul_gflops(n: int = 2048, repeats: int = 10) -> dict[str, float]:
 
 def update_gflop(config: str, sets: list[str]) -> dict[str, float]:
     """What one GRPO update of the config computes, for ``_flops_rate``: the rollouts per step,
-    the mean rendered prompt tokens, and ``flops_per_token`` at rows of prompt + max_tokens."""
-    from jaxrlvr import builders
+    the mean rendered prompt tokens, and ``flops_per_token`` at rows of prompt + max_tokens
+    (``scaling.rollout_shape``, which ``jaxrlvr plot --fit`` counts compute with)."""
     from jaxrlvr import config as config_lib
-    from jaxrlvr import prompts as prompt_lib
+    from jaxrlvr import scaling
 
-    cfg = config_lib.load_config(config, list(sets))
-    tokenizer = builders.build_tokenizer(cfg.model)
-    problems, _ = builders.load_splits(cfg)
-    prompt = statistics.fmean(
-        len(prompt_lib.encode(tokenizer, prompt_lib.render(cfg.data.template, p, tokenizer)))
-        for p in problems
-    )
-    model_cfg = builders.model_config(cfg.model, tokenizer)
-    return {
-        "rollouts": cfg.rl.prompts_per_step * cfg.rl.group_size,
-        "prompt_tokens": prompt,
-        "flops_per_token": model_cfg.flops_per_token(int(prompt + cfg.sampler.max_tokens)),
-    }
+    return scaling.rollout_shape(config_lib.load_config(config, list(sets)))
 
 
 def _flops_rate(rec: dict, shape: dict, gflops: dict[str, float]) -> None:
