@@ -81,3 +81,36 @@ def test_sft_command_runs_sft_only(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sft_steps"] == 3 and summary["rl_steps"] == 0
     assert summary["eval_accuracy_after_sft"] is not None
+
+
+@pytest.mark.slow
+def test_eval_on_a_benchmark_file_writes_its_problems_report(tmp_path):
+    """``jaxrlvr eval --benchmark mbpp`` evaluates the file's problems (not the config's) with
+    the code verifier, on the config's initial (random) model; ~10 s."""
+    report = tmp_path / "r.json"
+    proc = _run(
+        "eval",
+        "configs/demo.yaml",
+        f"run.out_dir={tmp_path}",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "model.max_position_embeddings=512",
+        "reward.num_workers=1",
+        *("--benchmark", "mbpp", "--benchmark-file", "jaxrlvr/data/samples/mbpp_sample.jsonl"),
+        *("--samples", "2", "--k", "1,2", "--maj", "2", "--report", str(report)),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == "mbpp" and data["samples_per_problem"] == 2
+    assert [p["id"] for p in data["problems"]] == [f"mbpp-{i}" for i in range(1, 6)]
+    assert {p["domain"] for p in data["problems"]} == {"code"}
+    assert "pass@2 " in proc.stdout and (tmp_path / "r_pass_at_k.png").exists()
+    proc = _run(
+        "eval", "configs/demo.yaml", "--benchmark", "gsm8k", "--benchmark-file", "nope.jsonl"
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "no such file (expected a jsonl or parquet file with fields question, answer)"
+    )
