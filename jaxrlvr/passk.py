@@ -101,7 +101,7 @@ def maj_at_k(votes: Sequence[Hashable | None], correct: Sequence[float], k: int)
                 if free:
                     tied += free * sum(w_st / (t + 1) for t, w_st in enumerate(ways[s]) if w_st)
             total += score[w] * math.comb(counts[w], a) * tied
-    return float(total / math.comb(n, k))
+    return min(1.0, float(total / math.comb(n, k)))  # a sum of fractions may round past 1
 
 
 def standard_error(values: Sequence[float]) -> float:

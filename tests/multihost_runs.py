@@ -34,6 +34,9 @@ TINY = [
     "optim.warmup_steps=0",
     "eval.every=3",
     "eval.max_problems=16",
+    # Sampled metrics: each process's rewards and votes are gathered before they are reduced.
+    "eval.pass_k=[1,4]",
+    "eval.maj_k=[4]",
     "checkpoint.every=1",
     "mesh.data=1",
     "mesh.fsdp=8",

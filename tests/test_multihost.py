@@ -52,6 +52,7 @@ def test_two_processes_match_one_process(runs):
     # Each process logged nothing itself: process 0 writes the run's files once.
     assert [x["step"] for x in lines] == [0, 1, 2, 3]
     assert lines[-1]["eval/n"] == 16 and lines[1]["grading/n"] == 16  # both processes' rows
+    assert {"eval/pass@4", "eval/maj@4", "eval/avg@4_se"} <= lines[-1].keys()  # gathered votes
 
 
 @pytest.fixture(scope="module")
