@@ -442,19 +442,23 @@ class VLLMSampler:
         seed: int | None,
         slot: int,
     ) -> list[base.Completion]:
-        return self._request(
+        # vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling");
+        # greedy decoding gives one answer per prompt, so ask once and repeat it n times.
+        asked = 1 if params.greedy else n
+        group = self._request(
             slot,
             f"completion for prompt {prompt_index}",
-            lambda model: completion_request(model, prompt, n, params, seed),
+            lambda model: completion_request(model, prompt, asked, params, seed),
             lambda body, version: parse_completion_response(
                 body,
                 prompt_index,
-                n,
+                asked,
                 params.logprobs,
                 weight_version=version,
                 prompt_len=len(prompt),
             ),
         )
+        return group if asked == n else [dataclasses.replace(group[0]) for _ in range(n)]
 
     def _request(self, slot: int, what: str, make_body: Any, parse: Any) -> Any:
         """POST ``make_body(model name)`` to ``/v1/completions`` of target ``slot`` (the next
