@@ -8,6 +8,7 @@ from jaxrlvr.bench import trl_peer
 from tests.model.helpers import make_torch_model
 
 
+@pytest.mark.slow  # imports TRL and builds two trainers: 40 s at load ~20
 def test_aux_loss_is_off_in_the_peers_grpo_trainer(tmp_path):
     trl = pytest.importorskip("trl")
     import datasets
