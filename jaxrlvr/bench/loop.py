@@ -42,6 +42,11 @@ seed, the TRL row loads the folder), so each pays its own imports and compiles:
   evaluation too, outside its wall time, for the accuracy column;
 - ``jaxrlvr (second run)``: the same command again, the cache now warm: no XLA compile.
 
+``--config configs/demo_moe.yaml`` runs the MoE demo the same way: the TRL row trains the same
+Qwen3-MoE (``Qwen3MoeForCausalLM``, transformers' default experts kernel, recorded) with the
+router's auxiliary loss off, as jaxrlvr's demo runs (``router_aux_loss_coef=0`` in its
+``SFTConfig`` and ``GRPOConfig``; ``trl_peer.assert_no_aux_loss`` refuses to run otherwise).
+
 Reported per row: the process's wall time (start to the end of its own work), the SFT, GRPO and
 evaluation seconds, the median GRPO step, the compiles (count and seconds, jaxrlvr's
 ``summary.json``), and held-out accuracy after SFT and at the end; the ratios TRL / jaxrlvr
@@ -329,6 +334,9 @@ def _whole_trl(config: str, sets: list[str], init: str, out: str) -> dict:
         "eval_after_sft": next((e["accuracy"] for e in own if e["phase"] == "sft"), None),
         "eval_final": rec["eval_final"],  # jaxrlvr's evaluation of TRL's final model
         "eval_final_own": own[-1]["accuracy"] if own else None,
+        # A MoE config: transformers' experts kernel, and the aux loss (off, checked by the peer)
+        "experts_implementation": rec.get("experts_implementation"),
+        "router_aux_loss": rec.get("router_aux_loss"),
         "run_dir": run_dir,
     }
 
@@ -399,6 +407,14 @@ def whole_markdown(records: list[dict], meta: dict) -> str:
         f"jaxrlvr - TRL {q['accuracy_first_minus_trl']:+.3f} / "
         f"{q['accuracy_second_minus_trl']:+.3f}."
     )
+    trl = next((r for r in records if r["system"] == "trl"), {})
+    if trl.get("experts_implementation"):
+        lines.append(
+            f"\nTRL's Qwen3-MoE: transformers experts_implementation="
+            f"{trl['experts_implementation']}, router aux loss "
+            f"{'on' if trl['router_aux_loss'] else 'off'} (router_aux_loss_coef=0 in its "
+            "SFTConfig and GRPOConfig, checked by the peer)."
+        )
     g = meta["matmul_gflops"]
     lines.append(
         "\nMachine fp32 matmul (2048^2): "

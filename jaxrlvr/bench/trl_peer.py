@@ -168,6 +168,7 @@ def sft(cfg, model, tokenizer, problems, out: str):
         bf16=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        router_aux_loss_coef=0.0,  # MoE: TRL otherwise trains the model config's aux loss
     )
     if o.schedule == "cosine":
         scfg.lr_scheduler_kwargs = {"min_lr_rate": o.final_lr_ratio}
@@ -177,8 +178,23 @@ def sft(cfg, model, tokenizer, problems, out: str):
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tokenizer,
     )
+    assert_no_aux_loss(trainer)
     trainer.train()
     return model
+
+
+def assert_no_aux_loss(trainer) -> None:
+    """TRL 1.16 adds a MoE model's router load-balancing loss whenever its coefficient is
+    non-zero (the config's ``router_aux_loss_coef``, 0.001 for Qwen3-MoE, unless the trainer's
+    config overrides it); jaxrlvr's demo trains without it, so both peers set it to 0 and this
+    checks that the trainer took it (``aux_loss_enabled``, and the model returns no router
+    logits)."""
+    config = trainer.model.config
+    if trainer.aux_loss_enabled or getattr(config, "output_router_logits", False):
+        raise RuntimeError(
+            f"TRL trains the router aux loss (coef {trainer.router_aux_loss_coef}); "
+            "the peer must run without it"
+        )
 
 
 def main(argv=None) -> int:
@@ -266,6 +282,7 @@ def main(argv=None) -> int:
         disable_dropout=True,
         log_completions=False,
         disable_tqdm=True,
+        router_aux_loss_coef=0.0,  # MoE: off, as in jaxrlvr's demo (``assert_no_aux_loss``)
     )
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -293,6 +310,7 @@ def main(argv=None) -> int:
         processing_class=tokenizer,
         optimizers=(opt, sched),
     )
+    assert_no_aux_loss(trainer)
     # Wrap the instance's methods (TRL's own code runs unchanged inside them).
     trainer._generate = _timed(timers, "sample", trainer._generate)
     trainer._calculate_rewards = _timed(timers, "reward", trainer._calculate_rewards)
@@ -374,6 +392,10 @@ def main(argv=None) -> int:
         "system": "trl",
         "version": trl.__version__,
         "torch": torch.__version__,
+        "model_type": model.config.model_type,
+        # transformers' MoE experts kernel (Qwen3-MoE: "grouped_mm" by default); None if dense
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "router_aux_loss": trainer.aux_loss_enabled,
         "threads": torch.get_num_threads(),
         "steps": timers.steps,
         "phase_s": phase_s["grpo"],

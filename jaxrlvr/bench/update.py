@@ -44,11 +44,12 @@ recorded in ``version``). MFU counts the active parameters.
 ``--demo``: configs/demo.yaml's model (vocab 104, hidden 128, MLP 384, 3 layers, 4/2 heads,
 tied) at its GRPO step's shape (128 rows x 31 positions, one microbatch). ``--op-classes``: the
 jaxrlvr worker also traces its timed steps with JAX's profiler and reports milliseconds per
-XLA:CPU op class (``op_classes``: matmul fusions, zero-filling broadcasts, copies, the layer
-scan's slices, while loops, elementwise).
+XLA:CPU op class (``op_classes``: matmul fusions, scatters, gathers, sorts, zero-filling
+broadcasts, copies, the layer scan's slices, while loops, elementwise). ``--demo-moe``:
+configs/demo_moe.yaml's Qwen3-MoE at its GRPO step's shape (32 rows x 63 positions).
 
-Usage: ``jaxrlvr bench update [--tiny | --demo | --moe] [--op-classes] [--lengths fixed|r1zero]
-[--json PATH] [--repeats N] [--systems jaxrlvr,torch]`` (or ``python
+Usage: ``jaxrlvr bench update [--tiny | --demo | --demo-moe | --moe] [--op-classes]
+[--lengths fixed|r1zero] [--json PATH] [--repeats N] [--systems jaxrlvr,torch]`` (or ``python
 benchmarks/bench_update.py``); ``--repeats``: timed steps per system.
 Not a test: timings are for the closing note and for spotting regressions.
 """
@@ -89,6 +90,30 @@ SHAPES = {
         batch=128,
         prompt=15,
         response=16,
+        microbatches=1,
+    ),
+    # configs/demo_moe.yaml's model (8 experts of 192 top-2, QK-norm, head_dim 32) at its GRPO
+    # step (32 packed rows of 63 positions, one microbatch).
+    "demo_moe": dict(
+        model=functools.partial(
+            common.qwen2,
+            vocab=104,
+            hidden=128,
+            mlp=384,
+            layers=3,
+            heads=4,
+            kv_heads=2,
+            tie_word_embeddings=True,
+            model_type="qwen3_moe",
+            head_dim_override=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=192,
+            norm_topk_prob=True,
+        ),
+        batch=32,
+        prompt=15,
+        response=48,
         microbatches=1,
     ),
     "moe": dict(model=common.moe_ref, batch=16, prompt=64, response=192, microbatches=4),
@@ -252,6 +277,12 @@ def op_kind(name: str) -> str | None:
         return None
     if name.startswith(("ynn_fusion", "xnn_fusion")) or "dot" in name:
         return "matmul"
+    if "scatter" in name:
+        return "scatter"
+    if "gather" in name:
+        return "gather"
+    if "sort" in name:
+        return "sort"
     if "broadcast" in name:
         return "broadcast"
     if name.startswith("copy"):
@@ -448,6 +479,7 @@ def _run_worker(kind: str, args: argparse.Namespace, weights: str) -> dict:
     argv += ["--lengths", args.lengths]
     flags = (("--tiny", args.tiny), ("--remat", args.remat), ("--scan-layers", args.scan_layers))
     flags += (("--demo", args.demo), ("--moe", args.moe), ("--op-classes", args.op_classes))
+    flags += (("--demo-moe", args.demo_moe),)
     argv += [flag for flag, on in flags if on]
     return common.run_worker("jaxrlvr.bench.update", argv)
 
@@ -459,6 +491,11 @@ def main(argv=None) -> int:
         "--demo",
         action="store_true",
         help="configs/demo.yaml's model and GRPO step shape (128 x 31 positions, 0.6M params)",
+    )
+    p.add_argument(
+        "--demo-moe",
+        action="store_true",
+        help="configs/demo_moe.yaml's model and GRPO step shape (32 x 63 positions)",
     )
     p.add_argument(
         "--moe",
@@ -490,9 +527,10 @@ def main(argv=None) -> int:
     p.add_argument("--_weights", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.tiny + args.demo + args.moe > 1:
-        p.error("--tiny, --demo and --moe are shapes: choose one")
+    if args.tiny + args.demo + args.moe + args.demo_moe > 1:
+        p.error("--tiny, --demo, --demo-moe and --moe are shapes: choose one")
     name = "tiny" if args.tiny else "demo" if args.demo else "moe" if args.moe else "reference"
+    name = "demo_moe" if args.demo_moe else name
     shape = Shape(**SHAPES[name])
 
     if args._worker is not None:

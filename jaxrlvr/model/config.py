@@ -46,7 +46,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
 _SUPPORTED_ROPE_TYPES = ("default",)
 ModelType = Literal["qwen2", "qwen3", "qwen3_moe"]
 # The MoE block's grouped-matmul kernel (``model.moe``).
-MoEImpl = Literal["auto", "sorted_blocks", "ragged_dot"]
+MoEImpl = Literal["auto", "sorted_blocks", "dense", "ragged_dot"]
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
@@ -100,7 +100,7 @@ class ModelConfig:
     ``model.moe.add_router_terms``). ``decoder_sparse_step`` / ``mlp_only_layers``: which layers
     are sparse (``sparse_layers``; transformers' rule), the others a dense SwiGLU of
     ``intermediate_size``. ``moe_impl``: the MoE block's grouped-matmul kernel
-    (``model.moe``; "auto" picks by backend).
+    (``model.moe``; "auto" picks by backend, and on the CPU by shape).
 
     ``remat``: recompute each decoder layer's activations in the backward pass instead of
     keeping them. ``scan_layers``: run the stacked decoder layers with ``lax.scan`` (one layer

@@ -5,27 +5,32 @@ experts, the top k (``jax.lax.top_k``), renormalised to sum to 1 when ``norm_top
 gate weights are cast to the compute dtype. Every token reaches its k experts: no capacity
 factor, no dropped tokens, so the trainer computes the function the sampler (vLLM) computes.
 
-Dispatch (``grouped_experts``): the N x k (token, expert) slots are sorted by expert (stable:
-ties keep token order), each expert's rows run through its SwiGLU with grouped matmuls, and the
-outputs, scaled by the gate weights, are scattered back and summed over the k slots. Two kernels
-for the grouped matmuls, chosen by ``impl``:
+Dispatch (``grouped_experts``): every token's k (token, expert) slots run through their
+experts' SwiGLU and are summed, scaled by the gate weights. Three kernels, chosen by ``impl``:
 
-- ``"sorted_blocks"`` (CPU): each expert's rows are padded to a multiple of a block of b rows,
-  every block belongs to one expert, and one batched matmul runs the blocks against their
-  experts' weights (gathered per block). The work is that of the N x k real rows plus at most
-  b - 1 padding rows per expert. Measured on this CPU (jit, fp32, N tokens x D -> F, E experts,
-  top-k; forward / forward+backward): N=2048 D=256 F=128 E=16 k=4: 43 / 100 ms, against 113 /
-  361 ms for the dense one-hot einsum over all experts and 432 / 1551 ms for
-  ``jax.lax.ragged_dot``, whose CPU lowering computes every group against every row;
-  N=1024 D=512 F=256 E=64 k=8: 190 / 433 ms against 1271 / 1176 ms dense, 6202 / 12190 ms
-  ragged_dot.
+- ``"sorted_blocks"`` (CPU): the N x k slots sorted by expert (stable: ties keep token order),
+  each expert's rows padded to a multiple of a block of b rows, every block belonging to one
+  expert, one batched matmul running the blocks against their experts' weights (gathered per
+  block). The work is that of the N x k real rows plus at most b - 1 padding rows per expert.
+  The rows move between token order and the padded order by gathers only (``_take_rows``: the
+  backward of each gather is the other gather), so neither pass runs a scatter-add.
+- ``"dense"`` (CPU, small shapes): every expert on every token as two wide matmuls, the
+  activations weighted by the one-hot combine matrix: E / k times the routed work, but no sort,
+  gather or scatter (tunix's CPU path).
 - ``"ragged_dot"`` (GPU, TPU): ``jax.lax.ragged_dot`` on the sorted rows, which those backends
   lower to grouped GEMMs without padding and without gathering weights per block (the block
   kernel's gathered weights grow with N x k / b, too large at Qwen3-30B-A3B's shapes).
+  XLA:CPU lowers it densely (every group against every row): never the CPU's choice.
 
-``"auto"`` takes ``ragged_dot`` on GPU and TPU, ``sorted_blocks`` elsewhere. ``dense_experts``
-(every expert on every token, weighted by a one-hot combine matrix) is the reference the tests
-and the dispatch benchmark compare against; the model never runs it.
+``"auto"`` takes ``ragged_dot`` on GPU and TPU; on the CPU ``dense`` when E <= 2k and N <= 256
+tokens (``DENSE_MAX_TOKENS``), else ``sorted_blocks``. The crossover, measured on the 2-core
+CPU (2026-12-03, busy: load 8-22, so CPU seconds of the process, forward + backward of one
+block, float32; docs/moe.md has the table): at E=8 top-2 (the MoE demo, D=128 F=192)
+``sorted_blocks`` wins at every N measured (32: 2.8 ms against 3.3 dense; 256: 15 / 16; 1,280:
+47 / 122; 2,016: 95 / 266); at E=4 top-2 the dense kernel wins at N=256 (10.1 / 11.2 ms) and
+loses at 2,016 (111 / 49); at E=16 top-4 (D=512 F=352) it wins at 256 (225 / 281) and loses
+at 1,024 (1150 / 555); at E=64 top-8 it loses at 256 already (1075 / 705). ``dense_experts``
+(the one-hot reference in its plainest form) is what the tests compare against.
 
 Expert parallelism: expert weights are stacked ``[E, ...]`` with the logical axis ``expert``,
 which ``sharding.LOGICAL_RULES`` maps onto the existing ``fsdp`` mesh axis (see there). On a
@@ -61,6 +66,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxrlvr.model.config import MoEImpl
@@ -87,13 +93,22 @@ class RouterOutput:
     layers: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
 
-def resolve_impl(impl: MoEImpl) -> str:
-    """The kernel "auto" means here: by ``jax.default_backend()`` at trace time. A program
-    lowered on one platform for another (``jax.export`` from a CPU host for TPU or CUDA) should
-    set ``ModelConfig.moe_impl="ragged_dot"`` explicitly."""
+def resolve_impl(impl: MoEImpl, num_tokens: int = 0, num_experts: int = 0, k: int = 1) -> str:
+    """The kernel "auto" means here: by ``jax.default_backend()`` at trace time, and on the CPU
+    by shape (module docstring: ``dense`` when E <= 2k and N <= 256, else ``sorted_blocks``). A
+    program lowered on one platform for another (``jax.export`` from a CPU host for TPU or
+    CUDA) should set ``ModelConfig.moe_impl="ragged_dot"`` explicitly."""
     if impl == "auto":
-        return "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "sorted_blocks"
+        if jax.default_backend() in ("gpu", "tpu"):
+            return "ragged_dot"
+        small = num_experts <= 2 * k and num_tokens <= DENSE_MAX_TOKENS
+        return "dense" if small else "sorted_blocks"
     return impl
+
+
+# ``auto`` on the CPU takes the dense kernel up to this many tokens when E <= 2k (measured
+# crossover, module docstring).
+DENSE_MAX_TOKENS = 256
 
 
 def select_experts(
@@ -143,45 +158,92 @@ def grouped_experts(
     """Dropless routed SwiGLU: sum_j w[n, j] * expert_{ids[n, j]}(x[n]) -> [N, D].
 
     x [N, D] and the weights in the compute dtype (gate weights cast to it); experts' kernels
-    gate / up [E, D, F], down [E, F, D]. Module docstring: the two kernels of ``impl``.
+    gate / up [E, D, F], down [E, F, D]. Module docstring: the kernels of ``impl``.
     """
-    impl = resolve_impl(impl)
     n, d = x_nd.shape
     k = ids_nk.shape[1]
     e = gate_edf.shape[0]
+    impl = resolve_impl(impl, n, e, k)
+    if impl == "dense":
+        return _dense_onehot(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
     s = n * k
     flat = ids_nk.reshape(s)
     order = jnp.argsort(flat, stable=True)  # slot order sorted by expert
-    sorted_e = flat[order]
-    rows = x_nd[order // k]  # [S, D]
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     if impl == "ragged_dot":
+        rows = x_nd[order // k]  # [S, D]
         g = jax.lax.ragged_dot(rows, gate_edf, group_sizes)
         u = jax.lax.ragged_dot(rows, up_edf, group_sizes)
         out = jax.lax.ragged_dot(_swiglu(rows, g, u), down_efd, group_sizes)
-    elif impl == "sorted_blocks":
-        b = _block_size(s, e)
-        padded = (group_sizes + b - 1) // b * b
-        padded_end = jnp.cumsum(padded)
-        start = jnp.cumsum(group_sizes) - group_sizes
-        # Each sorted row's place in the padded layout (its expert's padded start + its rank).
-        dest = (padded_end - padded)[sorted_e] + jnp.arange(s, dtype=jnp.int32) - start[sorted_e]
-        num_blocks = -(-(s + e * (b - 1)) // b)
-        xb = jnp.zeros((num_blocks * b, d), rows.dtype).at[dest].set(rows)
-        xb = xb.reshape(num_blocks, b, d)
-        # A block's expert: the first expert whose padded range ends after the block's start
-        # (blocks past the last group are all padding; they read expert E-1 and are dropped).
-        block_e = jnp.searchsorted(padded_end, jnp.arange(num_blocks) * b, side="right")
-        block_e = jnp.minimum(block_e, e - 1)
-        g = jnp.einsum("nbd,ndf->nbf", xb, gate_edf[block_e])
-        u = jnp.einsum("nbd,ndf->nbf", xb, up_edf[block_e])
-        out = jnp.einsum("nbf,nfd->nbd", _swiglu(xb, g, u), down_efd[block_e])
-        out = out.reshape(num_blocks * b, d)[dest]
-    else:
-        raise ValueError(f"moe impl={impl!r}: expected auto, sorted_blocks or ragged_dot")
-    out = out * weights_nk.reshape(s)[order][:, None].astype(out.dtype)
-    unsorted = jnp.zeros((s, d), out.dtype).at[order].set(out)
-    return jnp.sum(unsorted.reshape(n, k, d), axis=1)
+        out = out * weights_nk.reshape(s)[order][:, None].astype(out.dtype)
+        unsorted = jnp.zeros((s, d), out.dtype).at[order].set(out)
+        return jnp.sum(unsorted.reshape(n, k, d), axis=1)
+    if impl != "sorted_blocks":
+        raise ValueError(f"moe impl={impl!r}: expected auto, sorted_blocks, dense or ragged_dot")
+    sorted_e = flat[order]
+    b = _block_size(s, e)
+    padded = (group_sizes + b - 1) // b * b
+    padded_end = jnp.cumsum(padded)
+    start = jnp.cumsum(group_sizes) - group_sizes
+    # Each sorted row's place in the padded layout (its expert's padded start + its rank).
+    dest = (padded_end - padded)[sorted_e] + jnp.arange(s, dtype=jnp.int32) - start[sorted_e]
+    num_blocks = -(-(s + e * (b - 1)) // b)
+    p = num_blocks * b
+    # The two index maps of the layout (int32 bookkeeping, no float data moved): pos [N, k], the
+    # padded row of each (token, slot); src [P], the slot each padded row holds (s: padding).
+    pos_nk = jnp.zeros((s,), jnp.int32).at[order].set(dest).reshape(n, k)
+    src_p = jnp.full((p,), s, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    tok_p = jnp.where(src_p < s, src_p // k, n)
+    xb = _take_rows(x_nd, tok_p, pos_nk).reshape(num_blocks, b, d)
+    # A block's expert: the first expert whose padded range ends after the block's start
+    # (blocks past the last group are all padding; they read expert E-1 and are dropped).
+    block_e = jnp.searchsorted(padded_end, jnp.arange(num_blocks) * b, side="right")
+    block_e = jnp.minimum(block_e, e - 1)
+    g = jnp.einsum("nbd,ndf->nbf", xb, gate_edf[block_e])
+    u = jnp.einsum("nbd,ndf->nbf", xb, up_edf[block_e])
+    out = jnp.einsum("nbf,nfd->nbd", _swiglu(xb, g, u), down_efd[block_e]).reshape(p, d)
+    out_nkd = _take_rows(out, pos_nk.reshape(s), src_p[:, None]).reshape(n, k, d)
+    return jnp.sum(out_nkd * weights_nk[:, :, None].astype(out.dtype), axis=1)
+
+
+@jax.custom_vjp
+def _take_rows(x_md: jax.Array, idx_r: jax.Array, inv_mc: jax.Array) -> jax.Array:
+    """x[idx] [R, D] (an index >= M reads a zero row), whose cotangent is again a gather:
+    dx[m] = sum_c ct[inv[m, c]] (an index >= R adds nothing), ``inv`` listing the rows that
+    read row m. ``sorted_blocks`` moves rows between token order and the padded expert order
+    with it both ways, so neither pass runs a scatter-add (XLA:CPU runs scatters one row at a
+    time; this took the block's forward + backward from ~118 to ~95 ms CPU at the MoE demo's
+    update shape)."""
+    return jnp.take(x_md, idx_r, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x_md, idx_r, inv_mc):
+    return _take_rows(x_md, idx_r, inv_mc), (idx_r, inv_mc)
+
+
+def _take_rows_bwd(res, ct_rd):
+    idx_r, inv_mc = res
+    dx = jnp.sum(jnp.take(ct_rd, inv_mc, axis=0, mode="fill", fill_value=0), axis=1)
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731 (integer inputs)
+    return dx, zero(idx_r), zero(inv_mc)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _dense_onehot(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd) -> jax.Array:
+    """``impl="dense"``: every expert on every token as two wide matmuls (gate/up [D, E*2F],
+    down [E*F, D]), the activations weighted by the [N, E] combine matrix (the gate weights at
+    the chosen experts, 0 elsewhere) before the down projection: E / k times the work of the
+    routed rows, but no sort, gather or scatter (tunix runs this on the CPU)."""
+    n, d = x_nd.shape
+    e, _, f = gate_edf.shape
+    onehot = jax.nn.one_hot(ids_nk, e, dtype=weights_nk.dtype)  # [N, k, E]
+    combine = jnp.einsum("nke,nk->ne", onehot, weights_nk).astype(x_nd.dtype)
+    gate_up = jnp.concatenate([gate_edf, up_edf], axis=-1).transpose(1, 0, 2)
+    h = (x_nd @ gate_up.reshape(d, e * 2 * f)).reshape(n, e, 2 * f)
+    act = _swiglu(x_nd, h[..., :f], h[..., f:]) * combine[:, :, None]
+    return act.reshape(n, e * f) @ down_efd.reshape(e * f, d)
 
 
 def dense_experts(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd) -> jax.Array:

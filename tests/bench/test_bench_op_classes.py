@@ -19,7 +19,10 @@ def test_op_classes_of_a_scanned_matmul_program():
     jax.block_until_ready(f(x, ws))
     classes = update.op_classes(lambda: jax.block_until_ready(f(x, ws)), steps=3)
     assert classes["matmul"] > 0 and classes["while"] > 0
-    assert set(classes) <= {"matmul", "broadcast", "copy", "scan_slices", "while", "elementwise"}
+    assert set(classes) <= {
+        "matmul", "scatter", "gather", "sort", "broadcast", "copy", "scan_slices", "while",
+        "elementwise",
+    }  # fmt: skip
     assert all(v >= 0 for v in classes.values())
 
 

@@ -56,7 +56,7 @@ def _experts(seed, e=8, d=16, f=8, dtype=jnp.float32):
     )
 
 
-@pytest.mark.parametrize("impl", ["sorted_blocks", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["sorted_blocks", "dense", "ragged_dot"])
 @pytest.mark.parametrize("n", [3, 300])  # decode-sized and prefill-sized token counts
 def test_grouped_dispatch_equals_dense_reference(impl, n):
     """Every token reaches its k experts (dropless), weighted as the one-hot reference says,
@@ -82,6 +82,17 @@ def test_grouped_dispatch_equals_dense_reference(impl, n):
     for a, b in zip(g1, g2):
         scale = float(np.abs(np.asarray(b)).max())
         np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0)
+
+
+def test_auto_kernel_by_shape_on_cpu():
+    """On the CPU "auto" takes the dense kernel only where it measured faster (E <= 2k and at
+    most DENSE_MAX_TOKENS tokens), the sorted blocks elsewhere (the MoE demo: 8 experts top-2)."""
+    assert jax.default_backend() == "cpu"
+    assert moe.resolve_impl("auto", 256, 4, 2) == "dense"
+    assert moe.resolve_impl("auto", moe.DENSE_MAX_TOKENS + 1, 4, 2) == "sorted_blocks"
+    assert moe.resolve_impl("auto", 32, 8, 2) == "sorted_blocks"
+    assert moe.resolve_impl("auto", 2016, 8, 2) == "sorted_blocks"
+    assert moe.resolve_impl("dense", 2016, 8, 2) == "dense"
 
 
 def test_router_selection_follows_transformers():
