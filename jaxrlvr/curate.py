@@ -42,10 +42,17 @@ def load(
 ) -> tuple[config_lib.TrainConfig, curation.CurateConfig]:
     """(the run's config, the ``curate:`` section) of a curation YAML; ``curate.*`` overrides
     go to the section, the others to the run's config."""
-    data = config_lib.load_config_dict(path)
+    return load_dict(config_lib.load_config_dict(path), overrides)
+
+
+def load_dict(
+    data: dict, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[config_lib.TrainConfig, curation.CurateConfig]:
+    """``load`` of a config already read (a dict with an optional ``curate`` section)."""
+    data = dict(data)
     section = data.pop("curate", None) or {}
     if not isinstance(section, dict):
-        raise configlib.ConfigKeyError(f"{path}: curate: expected a section, got {section!r}")
+        raise configlib.ConfigKeyError(f"curate: expected a section, got {section!r}")
     own = [o.removeprefix("curate.") for o in overrides if o.startswith("curate.")]
     rest = [o for o in overrides if not o.startswith("curate.")]
     cfg = configlib.build(config_lib.TrainConfig, configlib.apply_overrides(data, rest))

@@ -9,9 +9,10 @@ solved without chain of thought, and best-of-k difficulty.
   - ``true_false``: the gold answer is ``true``, ``false``, ``t`` or ``f``;
   - ``yes_no``: the gold answer is ``yes`` or ``no``;
   - ``multiple_choice``: the gold answer is one option letter ``A``-``E`` (as written:
-    "C", "(C)", "C)", "C.") and the question lists at least two options, each an option letter
-    in parentheses ("(A)") or at the start of a line followed by ")" or "." ("A)", "B."), or
-    the question names "answer choices" / "options".
+    "C", "(C)", "C)", "C.") and the question lists at least two options, the answer's among
+    them, each an option letter in parentheses ("(A)"), followed by ")" ("A) 3 B) 5"), or at
+    the start of a line followed by "." ("B. 5"); or the question names "answer choices" /
+    "options:".
 
   A problem whose answer is a number, expression or word is never guessable, whatever its
   question says; a lower-case ``a`` (a variable) is never an option letter.
@@ -40,11 +41,12 @@ _ANSWER_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|boxed)\{(.*)\}$")
 _LETTER = re.compile(r"^\(?([A-E])[).]?$")
 _OPTION_PAREN = re.compile(r"\(([A-E])\)")
 _OPTION_LINE = re.compile(r"(?m)^\s*([A-E])[).]\s")
+_OPTION_INLINE = re.compile(r"(?:^|\s)([A-E])\)\s")
 _CHOICES_WORDS = re.compile(r"answer choices|options?:", re.IGNORECASE)
 
 
 def _gold_text(answer: str) -> str:
-    text = answer.strip().strip("$").strip()
+    text = answer.strip().rstrip(".").strip().strip("$").strip()
     while (m := _ANSWER_WRAPPERS.match(text)) is not None:
         text = m.group(1).strip()
     return text.rstrip(".").strip()
@@ -58,9 +60,13 @@ def guessable_reason(question: str, answer: str) -> GuessableKind | None:
         return "true_false"
     if low in ("yes", "no"):
         return "yes_no"
-    if _LETTER.match(gold):
-        letters = set(_OPTION_PAREN.findall(question)) | set(_OPTION_LINE.findall(question))
-        if len(letters) >= 2 or _CHOICES_WORDS.search(question):
+    if (m := _LETTER.match(gold)) is not None:
+        letters = {
+            *_OPTION_PAREN.findall(question),
+            *_OPTION_LINE.findall(question),
+            *_OPTION_INLINE.findall(question),
+        }
+        if (len(letters) >= 2 and m.group(1) in letters) or _CHOICES_WORDS.search(question):
             return "multiple_choice"
     return None
 
