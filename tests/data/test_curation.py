@@ -245,3 +245,57 @@ def test_steps_report_and_order_without_sampling():
     assert not cfg.samples
     with pytest.raises(ValueError, match="need the policy's pass rates"):
         curation.curate([], curation.CurateConfig(no_cot=filters.NoCoTConfig(enabled=True)), {})
+
+
+@pytest.mark.slow  # ~25 s of CPU: the JaxSampler compiles for the two steps' lengths
+def test_sampling_steps_with_a_real_policy(tmp_path, capsys):
+    # A random tiny policy on the demo's task, sampled by the JaxSampler and graded by the
+    # question-only verifier (an <answer> block or a \boxed{}; the synthetic verifier would take
+    # any integer in the text). Random characters never write an answer block, so every difficulty pass rate is 0 (all
+    # dropped); the no-CoT step's forced text is graded as the start of the response, so forcing
+    # " <answer>7</answer>" "solves" exactly the problems whose answer is 7, at rate 1.
+    cfg = {
+        "run": {"seed": 0},
+        "model": {
+            "tokenizer": "char",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 64,
+        },
+        "data": {
+            "train": "synthetic",
+            "template": "question_only",
+            "synthetic": {"num_steps": 1, "max_operand": 9, "max_value": 18},
+            "synthetic_train_size": 40,
+            "synthetic_eval_size": 8,
+        },
+        "reward": {"fn": "question_only", "num_workers": 1},
+        "sampler": {"max_tokens": 6, "stop": ["</answer>"]},
+        "curate": {
+            "batch_size": 64,
+            "no_cot": {"enabled": True, "k": 2, "forced_text": " <answer>7</answer>"},
+            "difficulty": {"enabled": True, "k": 2},
+        },
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    code, stdout, err = _main(capsys, "curate", str(tmp_path / "c.yaml"), "--out", str(out))
+    assert code == 0, err
+    train, _ = builders.load_splits(curate.load_dict(cfg)[0])
+    sevens = {p.id for p in train if p.answer == "7"}
+    assert 0 < len(sevens) < len(train)
+    dropped = _rows(out / "dropped.jsonl")
+    by_step = {s: {r["id"] for r in dropped if r["step"] == s} for s in curation.STEPS}
+    assert by_step["no_cot"] == sevens
+    assert by_step["difficulty"] == {p.id for p in train} - sevens
+    assert {r["detail"] for r in dropped if r["step"] == "no_cot"} == {
+        "solved in 1.00 of 2 samples without thinking"
+    }
+    assert {r["detail"] for r in dropped if r["step"] == "difficulty"} == {
+        "pass rate 0.00 over 2 samples"
+    }
+    assert _rows(out / "synthetic.jsonl") == []
+    assert f"no_cot      dropped {len(sevens)} (default {len(sevens)})" in stdout
