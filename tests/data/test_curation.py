@@ -251,9 +251,10 @@ def test_steps_report_and_order_without_sampling():
 def test_sampling_steps_with_a_real_policy(tmp_path, capsys):
     # A random tiny policy on the demo's task, sampled by the JaxSampler and graded by the
     # question-only verifier (an <answer> block or a \boxed{}; the synthetic verifier would take
-    # any integer in the text). Random characters never write an answer block, so every difficulty pass rate is 0 (all
-    # dropped); the no-CoT step's forced text is graded as the start of the response, so forcing
-    # " <answer>7</answer>" "solves" exactly the problems whose answer is 7, at rate 1.
+    # any integer in the text). Random characters never write an answer block, so every
+    # difficulty pass rate is 0 (all dropped); the no-CoT step's forced text is graded as the
+    # start of the response, so forcing " <answer>7</answer>" "solves" exactly the problems
+    # whose answer is 7, at rate 1.
     cfg = {
         "run": {"seed": 0},
         "model": {
@@ -299,3 +300,45 @@ def test_sampling_steps_with_a_real_policy(tmp_path, capsys):
     }
     assert _rows(out / "synthetic.jsonl") == []
     assert f"no_cot      dropped {len(sevens)} (default {len(sevens)})" in stdout
+
+
+def test_mixture_sources_report_per_domain(tmp_path, capsys):
+    gsm_rows = _rows(sample_path("gsm8k_sample.jsonl"))
+    # The MATH source's held-out split holds one GSM8K training question: the report counts it
+    # under the gsm8k domain, found against the math source's held-out split.
+    held = _write_jsonl(
+        tmp_path / "math_eval.jsonl", [{"problem": gsm_rows[2]["question"], "answer": "1"}]
+    )
+    gsm_fields = {"question_field": "question", "answer_field": "answer", "solution_field": None}
+    cfg = {
+        "data": {
+            "mixture": [
+                {
+                    "domain": "math",
+                    "data": {"train": sample_path("math_sample.jsonl"), "eval": held},
+                    "reward": {"fn": "r1_zero"},
+                },
+                {
+                    "domain": "gsm8k",
+                    "data": {"train": sample_path("gsm8k_sample.jsonl"), **gsm_fields},
+                    "reward": {"fn": "gsm8k"},
+                },
+            ]
+        },
+        "curate": {"guessable": {"enabled": True}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    code, stdout, err = _main(capsys, "curate", str(tmp_path / "c.yaml"), "--out", str(out))
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert {d: (v["loaded"], v["kept"]) for d, v in report["domains"].items()} == {
+        "math": (30, 30),
+        "gsm8k": (22, 21),
+    }
+    assert report["decontam"]["by_source"] == {
+        "gsm8k": {"exact": 1, "ngram": 0, "exact:math:held_out": 1}
+    }
+    assert "decontam    dropped 1 (math 0, gsm8k 1)" in stdout
+    assert f"data.mixture[1].data.train={out / 'gsm8k.jsonl'}" in stdout
+    assert len(_rows(out / "math.jsonl")) == 30 and len(_rows(out / "gsm8k.jsonl")) == 21
