@@ -279,6 +279,9 @@ def format_report(report: dict[str, Any]) -> str:
     table = report["decontam"]["by_source"]
     if report["enabled"]["decontam"]:
         sets = report["decontam"]["eval_sets"]
+        if not sets:
+            lines.append("decontamination: no evaluation set (no held-out split, no against)")
+            return "\n".join(lines)
         lines.append("decontamination against " + ", ".join(f"{k} ({v})" for k, v in sets.items()))
         lines.append(f"  {'source':<24} {'eval set':<28} {'exact':>6} {'ngram':>6}")
         for source, row in table.items():

@@ -342,3 +342,19 @@ def test_mixture_sources_report_per_domain(tmp_path, capsys):
     assert "decontam    dropped 1 (math 0, gsm8k 1)" in stdout
     assert f"data.mixture[1].data.train={out / 'gsm8k.jsonl'}" in stdout
     assert len(_rows(out / "math.jsonl")) == 30 and len(_rows(out / "gsm8k.jsonl")) == 21
+
+
+def test_parquet_source_without_eval_sets(tmp_path, capsys):
+    cfg = {
+        "data": {"train": sample_path("math_sample.parquet")},
+        "curate": {"decontam": {"held_out": False}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    code, stdout, err = _main(capsys, "curate", str(tmp_path / "c.yaml"), "--out", str(out))
+    assert code == 0, err
+    assert "decontamination: no evaluation set (no held-out split, no against)" in stdout
+    # Parquet rows come out as jsonl rows with the same fields, loadable as the run loads them.
+    kept, _ = loading.load_problems(loading.DataConfig.math(str(out / "math_sample.jsonl")))
+    original, _ = loading.load_problems(loading.DataConfig.math(sample_path("math_sample.parquet")))
+    assert [(p.question, p.answer) for p in kept] == [(p.question, p.answer) for p in original]
