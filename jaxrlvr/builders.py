@@ -28,7 +28,7 @@ from jaxrlvr.data import (
     synthetic,
 )
 from jaxrlvr.data import tokenizer as tokenizer_lib
-from jaxrlvr.rewards import code, grading, sandbox, verifiers
+from jaxrlvr.rewards import code, grading, language, sandbox, verifiers
 
 
 def build_tokenizer(model: config_lib.ModelSection):
@@ -254,23 +254,26 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
 
 
 def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:
-    """The reward function of ``reward.fn`` (picklable: the grading pool's workers run it).
+    """The reward function of ``reward.fn`` (picklable: the grading pool's workers run it), with
+    the language-consistency reward when ``reward.language.weight`` > 0.
 
     ``reward.fn: code`` checks here that the sandbox starts (a one-line error naming
     ``reward.sandbox`` when bubblewrap is missing) and warns when ``reward.sandbox`` is none.
     """
     r = cfg.reward
     if r.fn != "code":
-        return verifiers.make_reward_fn(
+        fn = verifiers.make_reward_fn(
             verifiers.RewardConfig(name=r.fn, format_weight=r.format_weight)
         )
+        return language.with_language_reward(fn, r.language)
     if r.sandbox == "none":
         prompts.log("WARNING: reward.sandbox=none: model-written code runs WITHOUT a sandbox")
     try:
         sandbox.check_available(r.code.sandbox(r.sandbox))
     except sandbox.SandboxUnavailable as exc:
         raise configlib.ConfigKeyError(str(exc)) from None
-    return code.make_code_reward_fn(r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight)
+    fn = code.make_code_reward_fn(r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight)
+    return language.with_language_reward(fn, r.language)
 
 
 def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:

@@ -1,4 +1,4 @@
-"""The ``jaxrlvr`` command line: train, sft, eval, pairs, plot, export, bench, serve-vllm.
+"""The ``jaxrlvr`` command line: train, sft, eval, pairs, plot, export, bench, curate, serve-vllm.
 
 Each sub-command parses its own flags and hands over to the module that does the work. Errors a
 user can fix (a bad config key, a missing file or checkpoint, an unsafe bind address) print one
@@ -352,6 +352,12 @@ def _cmd_bench(argv):
     return module.main(rest) or 0
 
 
+def _cmd_curate(argv):
+    from jaxrlvr import curate
+
+    return curate.curate_main(argv)
+
+
 def _cmd_serve_vllm(argv):
     from jaxrlvr.sampling import vllm_server
 
@@ -366,6 +372,7 @@ COMMANDS = {
     "plot": _cmd_plot,
     "export": _cmd_export,
     "bench": _cmd_bench,
+    "curate": _cmd_curate,
     "serve-vllm": _cmd_serve_vllm,
 }
 
@@ -389,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             "  export RUN_DIR OUT_DIR [--step N] [--overwrite]  checkpoint -> Hugging Face folder"
         )
         print("  bench NAME [--json PATH]                  " + "|".join(BENCHMARKS))
+        print("  curate CONFIG [key=value ...] --out DIR   decontaminate and filter data before RL")
         print(
             "  serve-vllm --model DIR [--python PATH] [--gpus 0,1 --num-servers N]  vLLM server(s)"
         )

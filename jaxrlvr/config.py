@@ -31,6 +31,7 @@ from jaxrlvr.model.config import dtype_name
 from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.sharding import MeshConfig
 from jaxrlvr.rewards.code import CodeRewardConfig
+from jaxrlvr.rewards.language import LanguageRewardConfig
 from jaxrlvr.rewards.sandbox import SandboxKind
 
 
@@ -157,7 +158,9 @@ class RewardSection:
     """The verifier (``fn``) and its grading pool. ``fn: code`` runs each response's program
     against the problem's tests in a sandbox: ``sandbox`` ("bwrap", bubblewrap; "none" runs
     model-written code unsandboxed, with a warning) and ``code`` (pass fraction or all-pass,
-    and the sandbox's time, memory, process, file and output limits; docs/code.md)."""
+    and the sandbox's time, memory, process, file and output limits; docs/code.md).
+    ``language``: DeepSeek-R1's language-consistency reward, ``weight`` x the share of the
+    reasoning's words in ``target`` added to the reward (``rewards.language``; weight 0: off)."""
 
     fn: Literal["r1_zero", "question_only", "gsm8k", "synthetic", "code"] = "r1_zero"
     format_weight: float = 0.0
@@ -165,6 +168,7 @@ class RewardSection:
     num_workers: int = 2
     sandbox: SandboxKind = "bwrap"
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
+    language: LanguageRewardConfig = dataclasses.field(default_factory=LanguageRewardConfig)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ def _run(*args, timeout=900):
 def test_help_lists_every_command():
     proc = _run("--help")
     assert proc.returncode == 0
-    for command in ("train", "sft", "eval", "plot", "export", "bench", "serve-vllm"):
+    for command in ("train", "sft", "eval", "plot", "export", "bench", "curate", "serve-vllm"):
         assert command in proc.stdout
 
 

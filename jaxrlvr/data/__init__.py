@@ -10,6 +10,9 @@ Submodules:
 - ``scratchpad``: seeded arithmetic whose worked solutions (``Problem.solution``) write a
   variable amount of work before the answer, for RL runs where response length can move.
 - ``tokenizer``: ``build_char_tokenizer`` for tiny from-scratch models.
+- ``decontam``, ``filters``, ``curation``: decontamination against held-out and benchmark
+  problems, the guessable / no-CoT / difficulty filters, and the steps of ``jaxrlvr curate``
+  (docs/curation.md).
 - ``samples/``: small hand-written MATH-style (jsonl, parquet) and GSM8K-style (jsonl) files;
   ``sample_path(name)`` gives their location.
 

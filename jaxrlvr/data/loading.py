@@ -225,7 +225,7 @@ def read_rows(path: str, *, on_bad_row: OnBadRow = "skip", key: str = "data file
     return list(datasets.load_dataset(path, split="train"))
 
 
-def _load_rows(cfg: DataConfig) -> tuple[Any, set[str], int]:
+def load_rows(cfg: DataConfig) -> tuple[Any, set[str], int]:
     """(the rows, the columns, the malformed lines skipped) of the data: jsonl through
     ``read_json_rows``, parquet and hub datasets through ``datasets``."""
     fmt = cfg.resolved_format
@@ -248,7 +248,7 @@ def load_problems(cfg: DataConfig) -> tuple[list[Problem], LoadStats]:
       ValueError: with the row index, when ``cfg.on_bad_row == "raise"`` and a row is unusable;
         or when ``question_field`` is not a column at all.
     """
-    rows, columns, malformed = _load_rows(cfg)
+    rows, columns, malformed = load_rows(cfg)
     if cfg.question_field not in columns:
         raise ValueError(
             f"DataConfig.question_field {cfg.question_field!r} is not a column of {cfg.path!r} "

@@ -5,6 +5,7 @@ Plain host-side Python (no JAX). The submodules:
 
 - ``math_equiv``: ``is_equivalent(pred, gold)`` (math-verify plus normalisations).
 - ``verifiers``: the reward functions and the ``RewardFn`` interface.
+- ``language``: DeepSeek-R1's language-consistency reward (``reward.language``).
 - ``grading``: ``GradingPool``, a process pool with a per-call deadline, and ``GradingStats``.
 - ``code``: ``code_reward_fn`` (``reward.fn: code``), ``CodeTask`` (a code problem's tests),
   ``CodeRewardConfig``; ``sandbox``: ``Sandbox``, the warm bubblewrap sandbox that runs the
