@@ -218,28 +218,23 @@ def _ragged_all_to_all_from_gathers(
     return output
 
 
-@pytest.mark.parametrize("skewed", [False, True])
-def test_ragged_dispatch_bookkeeping(monkeypatch, skewed):
+def test_ragged_dispatch_bookkeeping(monkeypatch):
     """The accelerators' dispatch (sizes, offsets, the received rows' experts, the way back),
     with the collective replaced by its semantics from all-gathers: output and gradients equal
-    ``moe.dense_experts`` on 4 devices (expert=4, 2 experts each), also when every slot goes to
-    one device (the worst-case receive buffer full). float32, sums in another order: 1e-5
-    absolute (~6e-6 observed) and 1e-5 relative (the skewed kernels' gradients reach ~40)."""
+    ``moe.dense_experts`` on 4 devices (expert=4, 2 experts each), for a live routing and for
+    every slot on one device (the worst-case receive buffer full), one compiled program for
+    both. float32, sums in another order: 1e-5 absolute (~6e-6 observed) and 1e-5 relative
+    (the skewed kernels' gradients reach ~40)."""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_from_gathers)
     mesh = _mesh(dict(expert=4), 4)
     n, d, f, e, k = 32, 16, 8, 8, 2
     ks = jax.random.split(jax.random.PRNGKey(0), 5)
     x = jax.random.normal(ks[0], (4 * n, d))
-    probs = jax.nn.softmax(3 * jax.random.normal(ks[1], (4 * n, e)))
-    if skewed:  # every token on experts 0 and 1: all slots to device 0
-        probs = probs.at[:, :2].add(10.0) / 21.0
-    w, ids = jax.lax.top_k(probs, k)
-    ids = ids.astype(jnp.int32)
     kernels = [
         0.3 * jax.random.normal(kk, s) for kk, s in zip(ks[2:], [(e, d, f)] * 2 + [(e, f, d)])
     ]
 
-    def ours(x, w, *kernels):
+    def ours(x, w, ids, *kernels):
         fn = jax.shard_map(
             lambda *a: expert_parallel.routed_experts(*a, impl="ragged_dot", mesh=mesh, split=True),
             mesh=mesh,
@@ -248,17 +243,21 @@ def test_ragged_dispatch_bookkeeping(monkeypatch, skewed):
         )
         return fn(x, ids, w, *kernels)
 
-    def reference(x, w, *kernels):
+    def reference(x, w, ids, *kernels):
         return moe.dense_experts(x, ids, w, *kernels)
 
-    def grads(fn):
-        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2, 3, 4)))
+    def both(fn):
+        loss = lambda x, w, ids, *ker: jnp.sum(jnp.sin(fn(x, w, ids, *ker)))  # noqa: E731
+        return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 3, 4, 5))(*a)))
 
-    np.testing.assert_allclose(
-        jax.jit(ours)(x, w, *kernels), reference(x, w, *kernels), atol=1e-5, rtol=0
-    )
-    for a, b in zip(grads(ours)(x, w, *kernels), grads(reference)(x, w, *kernels)):
-        # Skewed, a kernel's gradient sums 128 slots to ~40: float32 relative rounding (~6e-7).
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    if skewed:
-        assert bool(jnp.all(ids < 2))
+    ours, reference = both(ours), both(reference)
+    probs = jax.nn.softmax(3 * jax.random.normal(ks[1], (4 * n, e)))
+    skewed = probs.at[:, :2].add(10.0) / 21.0  # every token on experts 0 and 1: all to device 0
+    for p in (probs, skewed):
+        w, ids = jax.lax.top_k(p, k)
+        args = (x, w, ids.astype(jnp.int32), *kernels)
+        (y, g), (y_ref, g_ref) = ours(*args), reference(*args)
+        np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
+        for a, b in zip(g, g_ref):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert bool(jnp.all(ids < 2))  # the skewed case was all on device 0
