@@ -218,6 +218,7 @@ def _ragged_all_to_all_from_gathers(
     return output
 
 
+@pytest.mark.slow  # ~60 s at load ~16 (three compiles of a 4-device shard_map and its grad)
 def test_ragged_dispatch_bookkeeping(monkeypatch):
     """The accelerators' dispatch (sizes, offsets, the received rows' experts, the way back),
     with the collective replaced by its semantics from all-gathers: output and gradients equal
