@@ -58,11 +58,13 @@ def assemble(
     tokenizer = builders.build_tokenizer(cfg.model)
     if train:
         model = None
-        positions = builders.model_config(cfg.model, tokenizer).max_position_embeddings
+        model_cfg = builders.model_config(cfg.model, tokenizer)
     else:
         purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
         model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
-        positions = model.config.max_position_embeddings
+        model_cfg = model.config
+    positions = model_cfg.max_position_embeddings
+    preflight.check_expert_mesh(model_cfg, cfg.mesh.expert)
     train_problems, eval_problems = load_splits(cfg, train=mode != "eval")
     # Every prompt fits the model before any weight is loaded or step compiled.
     plan = phases.plan(cfg)

@@ -517,6 +517,17 @@ def check_sampler_devices(s: config_lib.SamplerSection, devices: int) -> None:
         )
 
 
+def check_expert_mesh(model_cfg, expert: int) -> None:
+    """``mesh.expert`` > 1 needs a MoE model whose experts it divides and a dispatch that
+    compiles here (``model.expert_parallel.check``): one-line config error otherwise."""
+    from jaxrlvr.model import expert_parallel
+
+    try:
+        expert_parallel.check(model_cfg, expert)
+    except ValueError as e:
+        raise configlib.ConfigKeyError(str(e)) from None
+
+
 def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     """One-line config error unless every microbatch's rows divide over the mesh's batch
     shards ('data' x 'fsdp'), for each phase the run has (``Phase.geometry``), and unless each
@@ -536,7 +547,8 @@ def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     from jaxrlvr.algos import step as step_lib
 
     shards = step_lib.batch_shard_count(mesh)
-    where = f"mesh.data={mesh.shape.get('data', 1)} x mesh.fsdp={mesh.shape.get('fsdp', 1)}"
+    axes = ("data", "fsdp") + (("expert",) if mesh.shape.get("expert", 1) > 1 else ())
+    where = " x ".join(f"mesh.{a}={mesh.shape.get(a, 1)}" for a in axes)
     plan = phases.plan(cfg)
     for cls in plan:
         cls.check(cls.view(cfg), processes=jax.process_count(), shards=shards, where=where)

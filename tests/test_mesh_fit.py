@@ -72,3 +72,16 @@ def test_host_batch_check_names_the_multiple():
         "a batch of 24 rows in 2 microbatches does not split over the 8 batch shards "
         "(data=2, fsdp=4): rows must be a multiple of microbatches x 8 = 16"
     )
+
+
+def test_expert_axis_is_checked_against_the_model():
+    """``mesh.expert`` > 1: a MoE whose experts it divides, else one line naming the key."""
+    moe = M.ModelConfig.tiny(
+        model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16
+    )
+    preflight.check_expert_mesh(moe, 4)
+    with pytest.raises(configlib.ConfigKeyError, match=r"^mesh.expert=3 does not divide"):
+        preflight.check_expert_mesh(moe, 3)
+    with pytest.raises(configlib.ConfigKeyError, match=r"^mesh.expert=2: expert parallelism"):
+        preflight.check_expert_mesh(M.ModelConfig.tiny(), 2)
+    preflight.check_expert_mesh(M.ModelConfig.tiny(), 1)

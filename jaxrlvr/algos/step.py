@@ -99,7 +99,11 @@ def check_microbatch_split(rows: int, num_microbatches: int, mesh: Mesh) -> None
     rematerialization") instead of sharding it."""
     shards = batch_shard_count(mesh)
     if rows % (num_microbatches * shards):
-        axes = ", ".join(f"{a}={mesh.shape.get(a, 1)}" for a in sharding.BATCH_AXES)
+        axes = ", ".join(
+            f"{a}={mesh.shape.get(a, 1)}"
+            for a in sharding.BATCH_AXES
+            if a != "expert" or mesh.shape.get(a, 1) > 1
+        )
         raise batch_lib.BatchError(
             f"a batch of {rows} rows in {num_microbatches} microbatches does not split over the "
             f"{shards} batch shards ({axes}): rows must be a multiple of microbatches x "

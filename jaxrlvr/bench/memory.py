@@ -120,6 +120,7 @@ class Case:
     lora_rank: int = 16
     model: str = "qwen2.5-math-1.5b"
     moe_impl: str = "ragged_dot"
+    expert: int = 1  # the mesh's expert axis (of the ``fsdp`` devices; the rest is fsdp)
 
     @property
     def rows_per_microbatch(self) -> int:
@@ -181,7 +182,8 @@ def measure(case: Case) -> dict:
         tiny_model(**overrides) if case.tiny else real_model(case.model, case.moe_impl, **overrides)
     )
     mesh = model_lib.make_mesh(
-        model_lib.MeshConfig(data=1, fsdp=case.fsdp, tensor=1), jax.devices()[: case.fsdp]
+        model_lib.MeshConfig(data=1, fsdp=case.fsdp // case.expert, expert=case.expert, tensor=1),
+        jax.devices()[: case.fsdp],
     )
     abstract = nnx.eval_shape(lambda: model_lib.Qwen2ForCausalLM(cfg, mesh=mesh))
     graphdef, params_shape = nnx.split(abstract, nnx.Param)
@@ -311,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the MoE's grouped-matmul kernel (qwen3-30b-a3b)",
     )
     p.add_argument(
+        "--expert",
+        type=int,
+        default=1,
+        help="expert parallelism: the mesh's expert axis (of each --fsdp device count; MoE, "
+        "with --moe-impl sorted_blocks: the ring dispatch, the one XLA:CPU compiles)",
+    )
+    p.add_argument(
         "--model", default=MODELS[0], help=f"comma list of architectures: {', '.join(MODELS)}"
     )
     args = p.parse_args(argv)
@@ -319,13 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--fsdp: expected a comma list of integers, got {args.fsdp!r}")
     models = common.comma_list(p, "--model", args.model, MODELS)
+    if args.expert < 1 or any(n % args.expert for n in sizes):
+        p.error(f"--expert={args.expert}: must be a positive divisor of every --fsdp size")
     rollouts, seq = (16, 64) if args.tiny else (ROLLOUTS, PROMPT + RESPONSE)
     records = []
     print(HEADER, flush=True)
     loras = common.comma_list(p, "--lora", args.lora, LORA_CHOICES)
     for model, fsdp in [(m, n) for m in models for n in sizes]:
         if not args.tiny:
-            print(f"-- {model}, {fsdp} devices", flush=True)
+            ep = f" (expert={args.expert} x fsdp={fsdp // args.expert})" if args.expert > 1 else ""
+            print(f"-- {model}, {fsdp} devices{ep}", flush=True)
         for chunk in _flags(args.chunk, "--chunk", p):
             for packing in _flags(args.packing, "--packing", p):
                 for lora in loras:
@@ -341,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                         lora_rank=args.lora_rank,
                         model=model,
                         moe_impl=args.moe_impl,
+                        expert=args.expert,
                     )
                     record = run_case(case, args.timeout)
                     record["case"]["microbatches"] = case.microbatches

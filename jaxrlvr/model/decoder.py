@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrlvr.model import grad_sink, lora, moe, sharding
+from jaxrlvr.model import expert_parallel, grad_sink, lora, moe, sharding
 from jaxrlvr.model.config import ModelConfig
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -505,7 +505,9 @@ def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, m
 
     On a mesh whose batch axes split the rows, the tokens are dispatched per batch shard
     (``jax.shard_map`` over the batch axes, the router and expert kernels gathered whole, as
-    fsdp gathers any layer's weights): each device sorts and runs only its own rows. One sort
+    fsdp gathers any layer's weights): each device sorts and runs only its own rows; with an
+    ``expert`` mesh axis the experts stay split and the rows travel to them instead
+    (``model.expert_parallel``). One sort
     over all B x T tokens made XLA replicate the microbatch's rows on every device
     (Qwen3-30B-A3B's GRPO update on 64 devices: each device ran all 1.3M slots)."""
     dtype = cfg.compute_dtype
@@ -523,17 +525,24 @@ def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, m
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         forced = None if forced_btk is None else forced_btk.reshape(n, k)
         ids, weights = moe.select_experts(probs, k, cfg.norm_topk_prob, forced)
-        y = moe.grouped_experts(x, ids, weights.astype(dtype), *experts, impl=cfg.moe_impl)
+        y = expert_parallel.routed_experts(
+            x, ids, weights.astype(dtype), *experts, impl=cfg.moe_impl, mesh=mesh, split=bool(rows)
+        )
         return y.reshape(h_btd.shape), ids.reshape(-1, t, k), probs.reshape(-1, t, probs.shape[-1])
 
     rows = None if mesh is None else sharding.logical_to_pspec(("batch",), (b,), mesh)
-    if rows:  # the rows are split over some batch axes
-        spec = jax.sharding.PartitionSpec(rows[0])
-        replicated = (jax.sharding.PartitionSpec(),) * 4
+    if (
+        rows or expert_parallel.axis_size(mesh) > 1
+    ):  # rows split, or experts (model.expert_parallel)
+        spec = jax.sharding.PartitionSpec(rows[0] if rows else None)
         dispatch = jax.shard_map(
             dispatch,
             mesh=mesh,
-            in_specs=(spec, None if routes_btk is None else spec, *replicated),
+            in_specs=(
+                spec,
+                None if routes_btk is None else spec,
+                *expert_parallel.kernel_specs(mesh),
+            ),
             out_specs=(spec, spec, spec),
         )
     y, ids, probs = dispatch(h, routes_btk, *kernels)

@@ -1,23 +1,23 @@
 """Device mesh and the logical-axis rules that map parameter and activation names onto it.
 
 Every parameter carries a ``logical_axes`` tuple (``embed``, ``heads``, ``mlp``, ...). One small
-rules table maps each logical name to mesh axes of the mesh ``('data', 'fsdp', 'tensor')``:
+rules table maps each logical name to mesh axes of the mesh ``('data', 'fsdp', 'expert',
+'tensor')``:
 
-- ``embed`` is sharded over ``fsdp`` (ZeRO-3 style: weights gathered per layer on use),
+- ``embed`` is sharded over ``('fsdp', 'expert')`` (ZeRO-3 style: weights gathered per layer on
+  use),
 - ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor`` (Megatron-style column/row split),
-- activations' ``batch`` over ``('data', 'fsdp')``,
-- ``expert`` (the stacked experts of a MoE block, ``[E, ...]``) over ``fsdp``.
+- activations' ``batch`` over ``('data', 'fsdp', 'expert')``,
+- ``expert`` (the stacked experts of a MoE block, ``[E, ...]``) over ``('expert', 'fsdp')``.
 
-Why experts go on ``fsdp`` and not on a new ``expert`` mesh axis: ``fsdp`` already means
-"parameters and their optimiser moments split across these devices, gathered per layer on use",
-which is what sharding whole experts needs for memory (Qwen3-30B-A3B's experts are 94% of its
-weights); a fourth mesh axis would change the ``('data', 'fsdp', 'tensor')`` mesh that every
-config, checkpoint restore, sampler and multi-process run assumes. A dimension takes a mesh axis
-only once, so an expert kernel [E, D, F] puts ``fsdp`` on E (whole experts per device) and
-leaves ``embed`` whole, while ``mlp`` stays on ``tensor``; when E is not divisible by the fsdp
-size, ``embed`` takes ``fsdp`` as in a dense layer. Compute-side expert parallelism (tokens sent
-to the devices of their experts with an all-to-all under ``shard_map``) is future work; today
-XLA gathers the experts of a layer like any fsdp-sharded weight.
+The ``expert`` mesh axis (1 unless ``MeshConfig.expert`` asks for more) is expert parallelism:
+outside the MoE blocks it is one more batch-and-ZeRO axis, like ``fsdp``; inside them each
+device keeps E / expert experts and the tokens travel to them (``model.expert_parallel``), so
+the experts are never gathered whole. With ``expert=1`` the axis drops out of every rule and the
+experts are split over ``fsdp`` as before (whole experts per device, gathered per layer on use,
+as fsdp gathers any weight). A dimension takes a mesh axis only once, so an expert kernel
+[E, D, F] puts ``('expert', 'fsdp')`` on E and leaves ``embed`` whole, while ``mlp`` stays on
+``tensor``; when E is not divisible by those sizes, ``embed`` takes them as in a dense layer.
 
 A dimension whose size is not divisible by its mesh axes is replicated rather than failing, so
 the same rules work for tiny test models and real checkpoints.
@@ -34,22 +34,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical name -> mesh axis (or tuple of axes), None = replicated.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
     "seq": None,
     "layers": None,
-    "embed": "fsdp",
+    "embed": ("fsdp", "expert"),
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
-    "expert": "fsdp",
+    "expert": ("expert", "fsdp"),
 }
 
 
@@ -59,18 +59,19 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):
-        sizes = (self.data, self.fsdp, self.tensor)
+        sizes = (self.data, self.fsdp, self.expert, self.tensor)
         if sum(s == -1 for s in sizes) > 1:
             raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
         for name, s in zip(MESH_AXES, sizes):
             if s == 0 or s < -1:
                 raise ValueError(f"mesh.{name}={s}: must be a positive integer or -1")
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
+        sizes = [self.data, self.fsdp, self.expert, self.tensor]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
@@ -88,7 +89,8 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all, every process)."""
+    """Builds a ('data', 'fsdp', 'expert', 'tensor') mesh over ``devices`` (default: all, every
+    process)."""
     cfg = cfg or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.resolve(len(devices))
@@ -96,7 +98,7 @@ def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | Non
 
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
-    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), [device or jax.devices()[0]])
+    return make_mesh(MeshConfig(data=1, fsdp=1, expert=1, tensor=1), [device or jax.devices()[0]])
 
 
 def logical_to_pspec(
@@ -120,7 +122,7 @@ def logical_to_pspec(
         axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
         axes = tuple(a for a in axes if a not in used)
         if mesh is not None:
-            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
             if shape is not None and axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
                 axes = ()
         used.update(axes)
@@ -185,8 +187,9 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Sharding of a batch-leading array: batch over ('data', 'fsdp'), the rest replicated."""
-    axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    """Sharding of a batch-leading array: batch over ('data', 'fsdp', 'expert'), the rest
+    replicated."""
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
     first = None if not axes else (axes[0] if len(axes) == 1 else axes)
     return NamedSharding(mesh, PartitionSpec(first, *([None] * (ndim - 1))))
 

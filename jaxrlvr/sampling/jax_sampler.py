@@ -35,6 +35,7 @@ sharing between the n samples of one prompt, penalties.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrlvr import model as M
+from jaxrlvr.model import sharding
 from jaxrlvr.model.buckets import bucket
 from jaxrlvr.sampling import base, sample_ops
 
@@ -498,7 +500,7 @@ class JaxSampler:
         """Rows must split evenly over the mesh's batch axes."""
         if self.mesh is None:
             return 1
-        return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        return math.prod(self.mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
 
     def _run(
         self, weights, rows: list[list[int]], params: base.SamplingParams, *, group=1, routes=False

@@ -49,17 +49,18 @@ GOLDEN = {
 }
 # Logical-name rules with no mesh to filter them (what the table above is derived from).
 GOLDEN_RULES = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "layers": None,
-    "embed": "fsdp",
+    "embed": ("fsdp", "expert"),
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
-    "expert": "fsdp",  # MoE experts [E, ...]: whole experts per fsdp shard
+    # MoE experts [E, ...]: whole experts per (expert x fsdp) shard; expert=1: per fsdp shard
+    "expert": ("expert", "fsdp"),
 }
 
 
@@ -138,23 +139,26 @@ def test_non_divisible_dims_are_replicated():
 
 def test_logical_to_pspec_without_mesh():
     # 'embed' wants 'fsdp', already used by 'batch' in the same array: replicated instead.
-    assert M.logical_to_pspec(("batch", "seq", "embed")) == P(("data", "fsdp"))
-    assert M.logical_to_pspec(("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
+    assert M.logical_to_pspec(("batch", "seq", "embed")) == P(("data", "fsdp", "expert"))
+    assert M.logical_to_pspec(("layers", "embed", "mlp")) == P(None, ("fsdp", "expert"), "tensor")
     with pytest.raises(KeyError, match="nonsense"):
         M.logical_to_pspec(("nonsense",))
 
 
 def test_mesh_config():
-    assert M.MeshConfig().resolve(8) == (1, 8, 1)
-    assert M.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2)
-    assert M.MeshConfig(data=-1, fsdp=2, tensor=1).resolve(8) == (4, 2, 1)
+    assert M.MeshConfig().resolve(8) == (1, 8, 1, 1)
+    assert M.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 1, 2)
+    assert M.MeshConfig(data=-1, fsdp=2, tensor=1).resolve(8) == (4, 2, 1, 1)
+    assert M.MeshConfig(fsdp=2, expert=-1).resolve(8) == (1, 2, 4, 1)
     mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=-1, tensor=2))
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     with pytest.raises(ValueError, match="at most one axis"):
         M.MeshConfig(data=-1, fsdp=-1)
     with pytest.raises(ValueError, match="mesh.tensor"):
         M.MeshConfig(tensor=0)
+    with pytest.raises(ValueError, match="mesh.expert"):
+        M.MeshConfig(expert=0)
     with pytest.raises(ValueError, match="not divisible"):
         M.MeshConfig(tensor=3).resolve(8)
     with pytest.raises(ValueError, match="need 4 devices"):
