@@ -33,11 +33,12 @@ at 1,024 (1150 / 555); at E=64 top-8 it loses at 256 already (1075 / 705). ``den
 (the one-hot reference in its plainest form) is what the tests compare against.
 
 Expert parallelism: expert weights are stacked ``[E, ...]`` with the logical axis ``expert``,
-which ``sharding.LOGICAL_RULES`` maps onto the existing ``fsdp`` mesh axis (see there). On a
-mesh whose batch axes split the rows, each batch shard routes and sorts only its own tokens
-(``decoder._moe_mlp``: ``jax.shard_map`` over the batch axes, the kernels gathered whole as fsdp
-gathers any layer's weights). Token-side expert parallelism (an all-to-all to the devices that
-hold each expert) is future work.
+which ``sharding.LOGICAL_RULES`` maps onto the ``expert`` mesh axis (then ``fsdp``). With
+``mesh.expert`` = 1, each batch shard routes and sorts only its own tokens (``decoder._moe_mlp``:
+``jax.shard_map`` over the batch axes, the kernels gathered whole as fsdp gathers any layer's
+weights). With ``mesh.expert`` > 1 the tokens travel to the experts' devices instead and the
+kernels are never gathered: ``expert_parallel`` (a ring of experts on the CPU,
+``ragged_all_to_all`` on GPU and TPU), sharing this module's routing, gate weights and combine.
 
 Routing replay (issue 40): ``select_experts`` accepts forced expert ids (a token whose row
 holds a -1 uses its live top-k); the gate weights are always gathered from the live float32
