@@ -51,6 +51,7 @@ def assemble(
     (a run directory; None: the config's initial model) on the whole host, with the held-out
     or the training split only."""
     train = mode == "train"
+    preflight.check_sampler_devices(cfg.sampler, len(jax.devices()))
     devices = builders.device_split(cfg.sampler)[0] if train else None
     mesh = model_lib.make_mesh(cfg.mesh, devices)
     if train:
@@ -76,6 +77,7 @@ def assemble(
         model = builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
     graphdef, params = nnx.split(model, nnx.Param)
     if train:  # multi-process: this process keeps only the training rows of its data shards
+        preflight.check_data_shards(cfg, step_lib.process_row_block(mesh)[1])
         num_shards, owned = builders.data_shards(cfg, mesh)
         split = shards.split(train_problems, num_shards, cfg.run.seed)
         row_block = step_lib.process_row_block(mesh)

@@ -2,8 +2,8 @@
 weights, or only its shape), the data splits and their shards, the sampler (the embedded JAX
 sampler or supervised vLLM servers) and the grader (reward function + grading pool).
 ``assembly.assemble`` puts them together once for a run; nothing here trains or loops
-(``train``, ``phases``), and the checks of the config against the mesh, the data shards and the
-prompts are ``preflight``'s (the one module of checks).
+(``train``, ``phases``), and nothing here checks the config: ``assembly`` runs ``preflight``'s
+checks of the mesh, the devices, the data shards and the prompts before it calls these.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, placement, preflight, prompts
+from jaxrlvr import configlib, distributed, placement, prompts
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import (
@@ -200,7 +200,7 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
     servers = [
         vllm_server.VLLMServer(
             model_dir,
-            python=preflight.vllm_interpreter(s)[0],
+            python=s.vllm_python,
             host=s.vllm_host,
             allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
             max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
@@ -236,11 +236,10 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
 def device_split(s: config_lib.SamplerSection) -> tuple[list | None, list | None]:
     """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
     (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
-    both use every device."""
+    both use every device. ``preflight.check_sampler_devices`` checked the trainer keeps one."""
     if s.kind != "jax" or s.jax_devices == 0:
         return None, None
     devices = jax.devices()
-    preflight.check_sampler_devices(s, len(devices))
     return devices[: -s.jax_devices], devices[-s.jax_devices :]
 
 
@@ -249,7 +248,7 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
     default one per process row block (``step.process_row_block``), as
     ``preflight.check_data_shards`` checked it."""
     block, blocks = step_lib.process_row_block(mesh)
-    n = preflight.check_data_shards(cfg, blocks)
+    n = cfg.data.shards or blocks
     return n, shards.owned(n, block, blocks)
 
 

@@ -216,7 +216,7 @@ def test_an_async_lora_student_and_tool_trajectories_distil(tmp_path, folders):
 
 
 def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
-    from jaxrlvr import assembly, builders, preflight, teachers
+    from jaxrlvr import assembly, builders, configlib, preflight, teachers
     from jaxrlvr import config as config_lib
     from jaxrlvr import model as model_lib
 
@@ -226,14 +226,14 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
         )
 
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(preflight.PreflightError, match=r"^rl\.distill\.teacher=.*nowhere") as e:
+    with pytest.raises(configlib.PreflightError, match=r"^rl\.distill\.teacher=.*nowhere") as e:
         preflight.check_teachers(config(f"rl.distill.teacher={missing}"))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="needs a teacher"):
         config("rl.distill.teacher=null")
     # A mixture's domain without a teacher: refused from the config alone.
     only_code = f"rl.distill.teachers={{code: {folders['plain']}}}"
-    with pytest.raises(preflight.PreflightError, match=r"^data\.mixture: domain 'arith' has no"):
+    with pytest.raises(configlib.PreflightError, match=r"^data\.mixture: domain 'arith' has no"):
         preflight.check_teachers(config("rl.distill.teacher=null", MIXTURE, only_code))
     # Teachers by domain, none for the synthetic problems' (no domain: "default") and no default.
     cfg = config("rl.distill.teacher=null", f"rl.distill.teachers={{math: {folders['plain']}}}")

@@ -213,7 +213,7 @@ def test_vllm_routes_from_the_documented_response():
 
 def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
     from jaxrlvr import config as config_lib
-    from jaxrlvr import preflight
+    from jaxrlvr import configlib, preflight
 
     cfg = config_lib.load_config(
         "configs/demo_moe.yaml",
@@ -224,7 +224,7 @@ def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
             "sampler.vllm_device=cpu",
         ],
     )
-    with pytest.raises(preflight.PreflightError, match="routing_replay=r3.*CPU"):
+    with pytest.raises(configlib.PreflightError, match="routing_replay=r3.*CPU"):
         preflight.check_routing_replay(cfg)
 
 
