@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, placement, prompts
+from jaxrlvr import configlib, distributed, placement, prompts, sandbox
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import (
@@ -28,7 +28,7 @@ from jaxrlvr.data import (
     synthetic,
 )
 from jaxrlvr.data import tokenizer as tokenizer_lib
-from jaxrlvr.rewards import code, grading, sandbox, verifiers
+from jaxrlvr.rewards import code, grading, verifiers
 
 
 def build_tokenizer(model: config_lib.ModelSection):

@@ -31,7 +31,7 @@ from jaxrlvr.model.config import dtype_name
 from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.sharding import MeshConfig
 from jaxrlvr.rewards.code import CodeRewardConfig
-from jaxrlvr.rewards.sandbox import SandboxKind
+from jaxrlvr.sandbox.host import SandboxKind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib
-from jaxrlvr.rewards import code, grading, sandbox
+from jaxrlvr import configlib, sandbox
+from jaxrlvr.rewards import code, grading
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None and os.environ.get("CI") != "1",
