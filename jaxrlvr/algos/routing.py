@@ -29,6 +29,7 @@ from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrlvr.algos import batch as batch_lib
@@ -42,10 +43,107 @@ def check_mode(mode: str, key: str = "rl.routing_replay") -> None:
         raise ValueError(f"{key}={mode!r}: expected one of {', '.join(get_args(ReplayMode))}")
 
 
-def to_model(routes_btlk: jax.Array | None) -> jax.Array | None:
-    """``Batch.routes`` [B, T, L, k] as the decoder's ``routes`` [L, B, T, k] int32 (or None)."""
+class RouteError(ValueError):
+    """Forced routes the model cannot replay: one line naming the field, the value and where."""
+
+
+def check_layers(shape: tuple, sparse_layers: tuple[bool, ...], k: int, field: str) -> None:
+    """Refuse routes [..., L, k] whose layer axis is neither every decoder layer nor every MoE
+    layer of a model whose layers are ``sparse_layers``, or whose last axis is not its top-k
+    ``k`` (shapes only: also at trace time)."""
+    if len(shape) < 2:
+        raise RouteError(f"{field}: expected [..., L, k] routes, got shape {tuple(shape)}")
+    n, layer_axis = len(sparse_layers), len(shape) - 2
+    moe = sum(sparse_layers)
+    if shape[-2] not in (n, moe):
+        raise RouteError(
+            f"{field}: layer axis (axis {layer_axis}) of size {shape[-2]} is neither every "
+            f"decoder layer ({n}) nor every MoE layer ({moe})"
+        )
+    if shape[-1] != k:
+        raise RouteError(
+            f"{field}: top-k axis (axis {layer_axis + 1}) of size {shape[-1]}, but the model "
+            f"routes each token to num_experts_per_tok={k} experts"
+        )
+
+
+def check_routes(
+    routes: Any, *, num_experts: int, sparse_layers: tuple[bool, ...], k: int, field: str
+) -> None:
+    """Host check of forced routes [..., L, k] (``Batch.routes`` [B, T, L, k] or one
+    ``Completion.routes`` [N, L, k]) before any compute: the layer axis (``check_layers``), and
+    on the MoE layers' rows (the dense layers' rows of an every-layer layout are ignored by the
+    model: the JaxSampler writes -1 there, vLLM 0) every id in [-1, num_experts) and no id
+    twice in one token's set. Raises ``RouteError`` naming ``field``, the value and its index."""
+    r = np.asarray(routes)
+    check_layers(r.shape, sparse_layers, k, field)
+    if r.shape[-2] == len(sparse_layers):  # every decoder layer: only the MoE rows are read
+        r = r[..., np.asarray(sparse_layers, bool), :]
+        rows = np.flatnonzero(sparse_layers)
+    else:
+        rows = np.arange(r.shape[-2])
+    r = r.astype(np.int64)
+
+    def where(index) -> str:
+        index = tuple(int(i) for i in index)
+        return f"[{', '.join(map(str, index[:-2] + (int(rows[index[-2]]), index[-1])))}]"
+
+    bad = np.argwhere((r < -1) | (r >= num_experts))
+    if bad.size:
+        value = r[tuple(bad[0])]
+        raise RouteError(
+            f"{field}{where(bad[0])} = {value}: expert ids must be in [-1, {num_experts})"
+        )
+    order = np.sort(r, axis=-1)
+    repeat = np.argwhere((order[..., 1:] == order[..., :-1]) & (order[..., 1:] >= 0))
+    if repeat.size:
+        token = tuple(repeat[0][:-1])
+        value = order[token + (repeat[0][-1],)]
+        slots = np.flatnonzero(r[token] == value)
+        raise RouteError(
+            f"{field}{where(token + (slots[1],))} = {value}: expert {value} is chosen twice "
+            f"for one token (slots {slots[0]} and {slots[1]}); a token's k experts are distinct"
+        )
+
+
+def layout(routes: Any, sparse_layers: tuple[bool, ...]) -> Any:
+    """Routes [..., L, k] over every decoder layer: routes over only the MoE layers get -1
+    rows (unread) at the dense layers; routes over every layer come back as they are. NumPy in,
+    NumPy out; JAX in (also traced), JAX out."""
+    n, moe = len(sparse_layers), sum(sparse_layers)
+    if routes.shape[-2] == n or moe == n:
+        return routes
+    xp = np if isinstance(routes, np.ndarray) else jnp
+    pad = xp.full(routes.shape[:-2] + (1, routes.shape[-1]), -1, routes.dtype)
+    source = np.cumsum(sparse_layers) - 1  # decoder layer i <- MoE row source[i]
+    index = np.where(np.asarray(sparse_layers, bool), source, moe)
+    return xp.take(xp.concatenate([routes, pad], axis=-2), index, axis=-2)
+
+
+def to_model(routes_btlk: jax.Array | None, config: Any = None) -> jax.Array | None:
+    """``Batch.routes`` [B, T, L, k] as the decoder's ``routes`` [L, B, T, k] int32 (or None).
+    With the model's ``config``: the layer axis checked and laid out over every decoder layer
+    (``check_layers``, ``layout``), and, when the routes are concrete (not traced), their ids
+    too (``check_routes``), so a bad route fails here in one line rather than as NaN logits."""
     if routes_btlk is None:
         return None
+    if config is not None:
+        if not config.is_moe:
+            raise RouteError(
+                f"Batch.routes: routing replay needs a MoE model, not model_type "
+                f"{config.model_type!r}"
+            )
+        sparse, k = config.sparse_layers, config.num_experts_per_tok
+        check_layers(tuple(routes_btlk.shape), sparse, k, "Batch.routes")
+        if not isinstance(routes_btlk, jax.core.Tracer):
+            check_routes(
+                routes_btlk,
+                num_experts=config.num_experts,
+                sparse_layers=sparse,
+                k=k,
+                field="Batch.routes",
+            )
+        routes_btlk = layout(routes_btlk, sparse)
     return jnp.transpose(routes_btlk, (2, 0, 1, 3)).astype(jnp.int32)
 
 
@@ -119,7 +217,7 @@ def route_metrics(graphdef: nnx.GraphDef, params: Any, batch: batch_lib.Batch) -
     forwards; un-jitted (jit it)."""
     lm = nnx.merge(graphdef, params)
     logp_live, live = _forward(lm, batch, None)
-    logp_replay, _ = _forward(lm, batch, to_model(batch.routes))
+    logp_replay, _ = _forward(lm, batch, to_model(batch.routes, lm.config))
     sparse = tuple(i for i, s in enumerate(lm.config.sparse_layers) if s)
     out = disagreement(batch.routes, live, batch.attention_mask, sparse)
     out["routing/k3_live"] = _k3(batch.sampler_logp, logp_live, batch.loss_mask)

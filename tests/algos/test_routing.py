@@ -330,3 +330,72 @@ def test_r2_routes_are_the_trainers_own_and_pin_later_epochs(lm, completions):
     np.testing.assert_array_equal(
         pinned, _logp(lm2, batch.replace(routes=r2.astype(np.int32)))
     )  # the first epoch's experts, whatever their integer dtype
+
+
+MIXED = dataclasses.replace(CFG, num_hidden_layers=3, mlp_only_layers=(0,))  # dense, MoE, MoE
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.__setitem__((0, 2, 1, 0), 8), r"Batch.routes\[0, 2, 1, 0\] = 8: .*\[-1, 8\)"),
+        (lambda r: r.__setitem__((0, 1, 0, 1), -2), r"Batch.routes\[0, 1, 0, 1\] = -2"),
+        (lambda r: r.__setitem__((0, 3, 1), [5, 5]), r"Batch.routes\[0, 3, 1, 1\] = 5: .*twice"),
+    ],
+)
+def test_bad_forced_routes_are_refused_in_one_line(edit, message):
+    """An id outside [-1, E) or twice in one token's set is refused naming the field, the
+    value and its index, before any compute (an id >= E used to give NaN logits)."""
+    from jaxrlvr.algos import routing
+
+    routes = np.tile(np.array([0, 1], np.int8), (1, 5, 2, 1))
+    edit(routes)
+    with pytest.raises(routing.RouteError, match=message) as err:
+        routing.to_model(routes, CFG)
+    assert "\n" not in str(err.value)
+    routes[:] = -1  # -1 twice is "live top-k", not a repeat
+    routing.to_model(routes, CFG)
+
+
+def test_route_layer_axis_must_be_every_layer_or_every_moe_layer():
+    from jaxrlvr.algos import routing
+
+    with pytest.raises(routing.RouteError, match=r"axis 2\) of size 1 is neither every decoder "):
+        routing.to_model(np.zeros((1, 4, 1, 2), np.int32), MIXED)
+    with pytest.raises(routing.RouteError, match="need.*MoE model"):
+        routing.to_model(np.zeros((1, 4, 2, 2), np.int32), dataclasses.replace(CFG, **_DENSE))
+    # every decoder layer: the dense layer's row is not read (vLLM writes 0 0 there)
+    every = np.array([[[[0, 0], [1, 2], [3, 4]]]], np.int32)
+    routing.to_model(every, MIXED)
+    with pytest.raises(routing.RouteError, match=r"Completion.routes\[0, 2, 1\] = 3: .*twice"):
+        routing.check_routes(
+            np.array([[[0, 0], [1, 2], [3, 3]]]),
+            num_experts=8,
+            sparse_layers=MIXED.sparse_layers,
+            k=2,
+            field="Completion.routes",
+        )
+
+
+_DENSE = dict(model_type="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+
+
+@pytest.mark.slow
+def test_routes_over_the_moe_layers_only_equal_routes_over_every_layer():
+    """A mixed layout (layer 0 dense) forced with routes over its 2 MoE layers: laid out as
+    routes over all 3 layers with an unread -1 row at the dense layer, and the forward runs
+    (it used to fail deep in the layer loop with a reshape TypeError)."""
+    from jaxrlvr.algos import routing
+
+    lm = M.CausalLM(MIXED, rngs=nnx.Rngs(2))
+    batch = rollout.to_batch(rollout.pack([[1, 5]], [[9, 13, 2, 7]], pad_id=0))
+    t = batch.input_ids.shape[1]
+    rng = np.random.default_rng(0)
+    moe_only = np.stack([[rng.permutation(8)[:2] for _ in range(2)] for _ in range(t)])[None]
+    moe_only = moe_only.astype(np.int16)
+    every = routing.layout(moe_only, MIXED.sparse_layers)
+    assert every.shape == (1, t, 3, 2) and (every[:, :, 0] == -1).all()
+    np.testing.assert_array_equal(every[:, :, 1:], moe_only)
+    # The decoder gets the same forced experts either way (one forward shows it runs).
+    np.testing.assert_array_equal(routing.to_model(moe_only, MIXED), routing.to_model(every, MIXED))
+    assert np.isfinite(_logp(lm, batch.replace(routes=moe_only))).all()
