@@ -14,15 +14,24 @@ import os
 import yaml
 from flax import nnx
 
-from jaxrlvr import builders, configlib, methods, prompts
+from jaxrlvr import builders, configlib, prompts
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
+from jaxrlvr.algos import registry
 from jaxrlvr.model import peft
 
 log = prompts.log
 # Where ``export_checkpoint`` writes a LoRA run's adapters (PEFT layout) inside OUT_DIR.
 ADAPTER_SUBDIR = "adapter"
+
+
+def checkpoint_method(cfg: config_lib.TrainConfig, extra: dict) -> str:
+    """The registered method whose state a checkpoint holds: its ``method``; a checkpoint written
+    before phases recorded it names its record "sft" or "rl" (then ``rl.algo``'s)."""
+    if "method" in extra:
+        return extra["method"]
+    return registry.SFT if extra.get("record") == "sft" else cfg.rl.algo
 
 
 def restore_policy(
@@ -49,9 +58,9 @@ def restore_policy(
         else:
             model_cfg = builders.model_config(cfg.model, tokenizer)
         graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
-        algo = methods.make_algorithm(cfg, extra["record"], graphdef, params_shape, mesh)
+        algo = registry.build(checkpoint_method(cfg, extra), cfg, graphdef, params_shape, mesh)
         target.graphdef = graphdef
-        return {"state": methods.abstract_state(algo, params_shape, mesh)[0]}
+        return {"state": checkpoint_lib.abstract_state(algo, params_shape, mesh)[0]}
 
     try:
         restored = ckpt.restore_latest(target, step=step, log=log)

@@ -19,6 +19,7 @@ import time
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import configlib
+from jaxrlvr.algos import registry
 
 # Files and folders of a run in out_dir (written by train.py, metrics.py and the vLLM launcher).
 RUN_ENTRIES = (
@@ -143,9 +144,10 @@ def move_run_aside(out_dir: str) -> str | None:
 
 
 # Keys whose change makes the run's checkpoints another run's: the model (shapes, dtypes, layer
-# layout), the method, and what the train state holds for it (PPO's critic, the KL reference copy
-# that exists only with kl_coef > 0). Prefixes end with a dot.
-STATE_KEYS = ("model.", "rl.algo", "rl.ppo.", "rl.loss.kl_coef")
+# layout), the method, and what the train state holds for it (each method's registered
+# ``state_keys``: PPO's critic, the KL reference copy that exists only with kl_coef > 0). Prefixes
+# end with a dot.
+STATE_KEYS = ("model.", "rl.algo", *registry.state_keys())
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

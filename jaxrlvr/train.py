@@ -193,7 +193,9 @@ class Trainer:
         extra = {
             # NaN metrics (e.g. the correct responses' mean length when none is correct) as null.
             "loop": _nan_to_none(dataclasses.asdict(self.loop)),
-            "record": phase.algorithm_phase,
+            # The phase and its method (``algos.registry``): what ``export`` / ``eval`` rebuild.
+            "phase": phase.name,
+            "method": phase.method(phase.cfg),
             "config": config_lib.config_to_dict(self.cfg),
             "model_config": self.ctx.model_cfg.to_hf_config(),
         }

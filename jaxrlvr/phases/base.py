@@ -29,10 +29,12 @@ from typing import Any, ClassVar
 import jax
 from flax import nnx
 
+from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import methods, prompts
 from jaxrlvr import model as model_lib
+from jaxrlvr import prompts
 from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading
 from jaxrlvr.rewards import grading, verifiers
@@ -208,12 +210,11 @@ class Phase:
     (``wanted``, ``geometry``, ``check``, ``data_files``) and as the parts of the run's summary
     it fills (``summary``). Subclasses set ``name`` (the phase's key in checkpoints and metrics),
     ``sections`` (the config sections it reads: ``self.cfg`` holds only these),
-    ``algorithm_phase`` (the record ``methods.make_algorithm`` builds for it) and implement
+    ``method`` (the registered method whose record it trains, ``algos.registry``) and implement
     ``step``; the rest has defaults.
     """
 
     name: ClassVar[str]
-    algorithm_phase: ClassVar[str]
     sections: ClassVar[tuple[str, ...]]
     # Whether the phase samples completions of the training prompts (their lengths are checked
     # against the model's positions before the run starts).
@@ -258,6 +259,12 @@ class Phase:
         """The data files the phase reads, checked (exist, parse, fill a batch) by preflight."""
         return []
 
+    @classmethod
+    def method(cls, cfg: Sections) -> str:
+        """The registered method (``algos.registry``) whose record the phase trains; checkpoints
+        record it with the phase's name."""
+        raise NotImplementedError
+
     # -- what the loop reads --------------------------------------------------------------------
     @property
     def total_steps(self) -> int:
@@ -288,9 +295,9 @@ class Phase:
     # -- record and state -------------------------------------------------------------------------
     def make_algorithm(self, microbatches: int | None = None) -> algorithm_lib.Algorithm:
         ctx = self.ctx
-        return methods.make_algorithm(
+        return registry.build(
+            self.method(self.cfg),
             self.cfg,
-            self.algorithm_phase,
             ctx.graphdef,
             ctx.params_shape,
             ctx.mesh,
@@ -300,7 +307,7 @@ class Phase:
     def enter(self, params: nnx.State, rng: jax.Array) -> None:
         """The phase's record, its fresh state from ``params``, and the compiled prepare/update."""
         self.algorithm = self.make_algorithm()
-        _, self.shardings = methods.abstract_state(
+        _, self.shardings = checkpoint_lib.abstract_state(
             self.algorithm, self.ctx.params_shape, self.ctx.mesh
         )
         self.state = jax.device_put(self.algorithm.init(params, rng), self.shardings)
@@ -308,9 +315,8 @@ class Phase:
 
     def abstract_state(self):
         """The state's shape with its target shardings: what a checkpoint restores into."""
-        return methods.abstract_state(self.make_algorithm(), self.ctx.params_shape, self.ctx.mesh)[
-            0
-        ]
+        ctx = self.ctx
+        return checkpoint_lib.abstract_state(self.make_algorithm(), ctx.params_shape, ctx.mesh)[0]
 
     # -- life -------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -339,6 +345,10 @@ class RLStepsPhase(Phase):
     shows."""
 
     reward_metric: ClassVar[str]
+
+    @classmethod
+    def method(cls, cfg):
+        return cfg.rl.algo
 
     @property
     def total_steps(self) -> int:

@@ -5,7 +5,7 @@ or k steps ahead on a background thread with ``rl.max_staleness`` = k > 0), the 
 (``phases.learner``) shapes them into a batch, prepares it on the mesh and updates the state,
 the source hands the sampler the new weights, and ``step_metrics`` assembles the step's line
 (the shaping's, prepare's and update's metrics, the source's, throughput and times). The method
-(GRPO and its variants, PPO, expert iteration) is the record ``methods.make_algorithm`` builds
+(GRPO and its variants, PPO, expert iteration) is the record ``algos.registry.build`` builds
 for ``rl.algo``; this phase knows none of their insides, the learner none of sampling, the
 source none of losses.
 
@@ -32,7 +32,6 @@ from jaxrlvr.phases import base, learner, sources
 
 class RLPhase(base.RLStepsPhase):
     name = "rl"
-    algorithm_phase = "rl"
     reward_metric = "reward_mean"
     samples_train_prompts = True
     sections = ("rl", "sampler", "optim", "data", "run", "eval")

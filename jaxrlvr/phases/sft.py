@@ -18,6 +18,7 @@ import jax
 
 from jaxrlvr import prompts as prompt_lib
 from jaxrlvr import rollout
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, shards, templates
 from jaxrlvr.phases import base
@@ -25,7 +26,6 @@ from jaxrlvr.phases import base
 
 class SFTPhase(base.Phase):
     name = "sft"
-    algorithm_phase = "sft"
     sections = ("sft", "rl", "data", "run")
 
     @classmethod
@@ -54,6 +54,10 @@ class SFTPhase(base.Phase):
         if sft.data == "gold":  # the training problems' gold responses
             return [base.DataFile("data.train", cfg.data.train, sft.batch_size, "sft.batch_size")]
         return [base.DataFile("sft.data", sft.data, sft.batch_size, "sft.batch_size")]
+
+    @classmethod
+    def method(cls, cfg):
+        return registry.SFT
 
     @property
     def total_steps(self) -> int:
