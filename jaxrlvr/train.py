@@ -360,10 +360,9 @@ def run(
         from jaxrlvr import plots
 
         plots.plot_runs([cfg.run.out_dir], plots_dir)
-    before, after = summary["eval_accuracy_after_sft"], summary["eval_accuracy_final"]
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
-    print(f"held-out accuracy after SFT warm start: {fmt(before)}")
-    print(f"held-out accuracy after {cfg.rl.algo.upper()}: {fmt(after)}")
+    for phase in trainer.phases:  # each phase's own lines (``Phase.report``)
+        for line in phase.report(summary):
+            print(line)
     print(f"metrics: {os.path.join(cfg.run.out_dir, 'metrics.jsonl')}")
     print(f"plots: {plots_dir}")
     print(f"checkpoints: {summary['checkpoints']}")

@@ -292,6 +292,11 @@ class Phase:
         finished phase, by name ("start": before any step)."""
         return {}
 
+    def report(self, summary: dict[str, Any]) -> list[str]:
+        """The lines ``train.run`` prints for this phase when the run ends (``summary``: the
+        run's, ``Phase.summary`` fields included)."""
+        return []
+
     # -- record and state -------------------------------------------------------------------------
     def make_algorithm(self, microbatches: int | None = None) -> algorithm_lib.Algorithm:
         ctx = self.ctx
@@ -364,3 +369,12 @@ class RLStepsPhase(Phase):
 
     def summary(self, evals):
         return {"algo": self.cfg.rl.algo, "rl_steps": self.position}
+
+    def report(self, summary):
+        final = accuracy_text(summary["eval_accuracy_final"])
+        return [f"held-out accuracy after {self.cfg.rl.algo.upper()}: {final}"]
+
+
+def accuracy_text(accuracy: float | None) -> str:
+    """A held-out accuracy as the run's last lines print it ("n/a": not evaluated)."""
+    return "n/a" if accuracy is None else f"{accuracy:.3f}"

@@ -66,6 +66,10 @@ class SFTPhase(base.Phase):
     def postfix(self, metrics):
         return {"phase": "sft", "loss": f"{metrics.get('sft/loss', float('nan')):.3f}"}
 
+    def report(self, summary):
+        after = base.accuracy_text(summary["eval_accuracy_after_sft"])
+        return [f"held-out accuracy after SFT warm start: {after}"]
+
     def summary(self, evals):
         out = {"sft_steps": self.position}
         if "sft" in evals:
