@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Literal
 
 import jax
@@ -29,7 +28,6 @@ from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading, shards
 from jaxrlvr.phases import base
-from jaxrlvr.rewards import code, grading, verifiers
 
 Mode = Literal["train", "eval", "pairs"]
 
@@ -84,7 +82,7 @@ def assemble(
     else:
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
     teachers = load_teachers(cfg, mesh, tokenizer, model.config.vocab_size, train_problems)
-    grader = build_grader(cfg)
+    grader = builders.build_grader(cfg)
     try:
         sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
         wrappers = {c.sampler_wrapper: c for c in plan if c.sampler_wrapper}
@@ -136,23 +134,6 @@ def load_splits(
         train_problems += [dataclasses.replace(p, domain=m.domain) for p in tr]
         eval_problems += [dataclasses.replace(p, domain=m.domain) for p in ev]
     return train_problems, eval_problems
-
-
-def build_grader(cfg: config_lib.TrainConfig) -> base.Grader:
-    """The run's ``Grader``: ``reward``'s verifier; for a ``data.mixture``, each problem graded
-    by its source's verifier (``verifiers.domain_reward_fn``) within the longest of the
-    sources' per-pair time bounds, on ``reward.num_workers`` workers."""
-    if not cfg.data.mixture:
-        return base.Grader(*builders.build_grader(cfg))
-    fns, timeout_s = {}, 0.0
-    for m in cfg.data.mixture:
-        r = m.reward
-        fns[m.domain] = builders.build_reward_fn(dataclasses.replace(cfg, reward=r))
-        bound = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
-        timeout_s = max(timeout_s, bound)
-    reward_fn = functools.partial(verifiers.domain_reward_fn, fns=fns)
-    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=timeout_s)
-    return base.Grader(reward_fn, pool, by_domain=True)
 
 
 def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int, problems):

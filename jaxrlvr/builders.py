@@ -9,6 +9,8 @@ checks of the mesh, the devices, the data shards and the prompts before it calls
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import functools
 import os
 import shutil
 
@@ -167,6 +169,7 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
         )
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
+    vllm_sampler.check_servable(model.config)  # before any server starts
     plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
     if s.vllm_urls:
         shared = vllm_sampler.VLLMSampler(
@@ -272,11 +275,23 @@ def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:
     return code.make_code_reward_fn(r.code, sandbox_kind=r.sandbox, format_weight=r.format_weight)
 
 
-def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
-    """(``build_reward_fn``'s reward function, the grading pool that runs it time-bounded; a
-    code reward's per-call bound covers its tests' limits)."""
-    r = cfg.reward
-    reward_fn = build_reward_fn(cfg)
-    timeout_s = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
-    pool = grading.GradingPool(num_workers=r.num_workers, timeout_s=timeout_s)
-    return reward_fn, pool
+def build_grader(cfg: config_lib.TrainConfig) -> grading.Grader:
+    """The run's ``Grader``: ``reward``'s verifier (``build_reward_fn``) in a grading pool that
+    runs it time-bounded (a code reward's per-call bound covers its tests' limits); for a
+    ``data.mixture``, each problem graded by its source's verifier
+    (``verifiers.domain_reward_fn``) within the longest of the sources' bounds, on
+    ``reward.num_workers`` workers."""
+    mixture = cfg.data.mixture
+    if mixture:
+        fns = {
+            m.domain: build_reward_fn(dataclasses.replace(cfg, reward=m.reward)) for m in mixture
+        }
+        reward_fn = functools.partial(verifiers.domain_reward_fn, fns=fns)
+    else:
+        reward_fn = build_reward_fn(cfg)
+    timeout_s = max(
+        code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
+        for r in ([m.reward for m in mixture] or [cfg.reward])
+    )
+    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=timeout_s)
+    return grading.Grader(reward_fn, pool, by_domain=bool(mixture))

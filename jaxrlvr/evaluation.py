@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrlvr import assembly, compile_cache, distributed, preflight, prompts
+from jaxrlvr import assembly, compile_cache, distributed, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import loading
@@ -44,15 +44,9 @@ def evaluate(
         first = len(problems) * block[0] // block[1]
         problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
     n = eval_cfg.samples_per_problem
-    prompt_ids = ctx.encode_prompts(problems)
-    # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
-    # runs one program over all processes' rows, with one seed).
-    offset = first if sampler_cfg.kind != "jax" else 0
-    params = prompts.sampling_params(
-        sampler_cfg, ctx.tokenizer, eval_mode=True, seed=seed + 7919 + offset
+    _, completions, scores, _ = ctx.sample_and_grade(
+        problems, n, sampler_cfg, seed=seed + 7919, first=first, eval_mode=True
     )
-    completions = ctx.sampler.generate(prompt_ids, n, params)
-    scores, _ = ctx.grader.grade(problems, [c.text for c in completions], n)
     lengths = [len(c.token_ids) for c in completions]
     if block[1] > 1:  # every share's per-completion values, one share per block, in order
         keys = ("answer_reward", "format_reward", "reward")

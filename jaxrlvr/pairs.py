@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from jaxrlvr import assembly, preflight, prompts
+from jaxrlvr import assembly, preflight
 from jaxrlvr import config as config_lib
 
 
@@ -76,10 +76,9 @@ def build_pairs(
     k = pairs_cfg.k
     try:
         texts = [ctx.render(p) for p in problems]
-        prompt_ids = [prompts.encode(ctx.tokenizer, t) for t in texts]
-        params = prompts.sampling_params(cfg.sampler, ctx.tokenizer, seed=pairs_cfg.seed)
-        completions = ctx.sampler.generate(prompt_ids, k, params)
-        scores, _ = ctx.grader.grade(problems, [c.text for c in completions], k)
+        _, completions, scores, _ = ctx.sample_and_grade(
+            problems, k, cfg.sampler, seed=pairs_cfg.seed
+        )
     finally:
         ctx.close()
     correct = np.asarray([s["answer_reward"] >= 1.0 for s in scores])

@@ -301,7 +301,7 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
 
 
 def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
-    from jaxrlvr import assembly
+    from jaxrlvr import assembly, builders
     from jaxrlvr import config as config_lib
     from jaxrlvr.data import templates
 
@@ -312,7 +312,7 @@ def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
     arith, code = train[0], train[-1]
     gold = {m.domain: m.data.gold_format for m in cfg.data.mixture}
     texts = [templates.render_gold(gold[p.domain], p.answer, p.solution) for p in (arith, code)]
-    grader = assembly.build_grader(cfg)
+    grader = builders.build_grader(cfg)
     try:
         # Each gold answer passes its own verifier; swapped, neither does (the arithmetic
         # verifier reads no integer from a function body; the code one runs "12" as a body).

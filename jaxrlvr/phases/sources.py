@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import distributed, prompts
+from jaxrlvr import distributed
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import iterators, loading, shards
 from jaxrlvr.envs import multi_turn
@@ -123,18 +123,10 @@ class RolloutSource:
         """The sampler's ``n`` completions of each prompt."""
         return self.ctx.sampler.generate(prompt_ids, n, params)
 
-    def _generate(self, problems, n, seed):
-        ctx = self.ctx
-        prompt_ids = ctx.encode_prompts(problems)
-        if self.sampler_cfg.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
-            seed += ctx.row_block[0] * len(problems)
-        params = prompts.sampling_params(self.sampler_cfg, ctx.tokenizer, seed=seed)
-        completions = self.generate(problems, prompt_ids, n, params)
-        if len(completions) != len(prompt_ids) * n:
-            raise RuntimeError(
-                f"sampler returned {len(completions)} completions for {len(prompt_ids)} x {n}"
-            )
-        return prompt_ids, completions
+    def _first(self, problems) -> int:
+        """The index of this process's first problem among every process's of the step (the
+        shares are equal: one per row block), for ``RunContext.sample``'s seeding rule."""
+        return self.ctx.row_block[0] * len(problems)
 
     def score(self, problems, completions, n) -> tuple[list[dict], grading.GradingStats]:
         """The grader's scores of ``n`` completions per problem."""
@@ -160,14 +152,28 @@ class RolloutSource:
         if rl.difficulty_filter:
             candidates = problems
             k = rl.difficulty_filter_k
-            _, comps = self._generate(candidates, k, step_seed + 104729)
-            scores, _ = self.score(candidates, comps, k)
+            *_, scores, _ = self.ctx.sample_and_grade(
+                candidates,
+                k,
+                self.sampler_cfg,
+                seed=step_seed + 104729,
+                first=self._first(candidates),
+                generate=self.generate,
+                score=self.score,
+            )
             rates = np.asarray([s["answer_reward"] for s in scores]).reshape(-1, k).mean(1)
             informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
             rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
             problems = (informative + rest)[: len(candidates) // 2]
             m["filter/informative_fraction"] = len(informative) / len(candidates)
-        prompt_ids, completions = self._generate(problems, rl.group_size, step_seed)
+        prompt_ids, completions = self.ctx.sample(
+            problems,
+            rl.group_size,
+            self.sampler_cfg,
+            seed=step_seed,
+            first=self._first(problems),
+            generate=self.generate,
+        )
         return problems, prompt_ids, completions, m
 
     def _rollout_job(self, rl_step: int):
