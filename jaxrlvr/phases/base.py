@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -37,32 +36,7 @@ from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading
-from jaxrlvr.rewards import grading, verifiers
-
-
-@dataclasses.dataclass(eq=False)
-class Grader:
-    """The run's reward function and the grading pool that runs it time-bounded.
-
-    The pool serves one call at a time (the async producer grades the difficulty filter's
-    candidates on its own thread), hence the lock.
-    """
-
-    reward_fn: verifiers.RewardFn
-    pool: grading.GradingPool
-    # A task mixture's ``verifiers.domain_reward_fn``: each truth is (domain, answer).
-    by_domain: bool = False
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
-        """(scores, stats) of ``n`` completions per problem (problem-major)."""
-        truths = [(p.domain, p.answer) if self.by_domain else p.answer for p in problems]
-        truths = [t for t in truths for _ in range(n)]
-        with self._lock:
-            return self.pool.grade(self.reward_fn, texts, truths)
-
-    def close(self) -> None:
-        self.pool.close()
+from jaxrlvr.rewards import grading
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,7 +67,7 @@ class RunContext:
     num_shards: int
     eval_problems: list[loading.Problem]
     row_block: tuple[int, int]
-    grader: Grader
+    grader: grading.Grader
     sampler: Any
     # On-policy distillation's ``teachers.TeacherRegistry`` (``rl.algo: distill``), else None.
     teachers: Any = None
@@ -109,6 +83,72 @@ class RunContext:
     def encode_prompts(self, problems: list[loading.Problem]) -> list[list[int]]:
         """The problems' rendered prompts as token ids."""
         return prompts.encode_many(self.tokenizer, [self.render(p) for p in problems])
+
+    def sample(
+        self,
+        problems: list[loading.Problem],
+        n: int,
+        sampler_cfg: config_lib.SamplerSection,
+        *,
+        seed: int,
+        first: int = 0,
+        eval_mode: bool = False,
+        generate: Callable | None = None,
+    ) -> tuple[list[list[int]], list]:
+        """(the prompts' token ids, ``n`` completions of each prompt, prompt-major) from the
+        run's sampler with ``sampler``'s training (or ``eval_mode``) parameters.
+
+        The one seeding rule of the run's sampling (rollouts, evaluation, pairs): ``problems``
+        is this process's share of a list sampled with ``seed``, starting at index ``first`` of
+        it. vLLM seeds prompt i with seed + i, so a share's seed is offset by ``first``; the JAX
+        sampler runs one program over every process's rows with one seed, so it is not.
+        ``generate(problems, prompt_ids, n, params)``: another way to call the sampler (the
+        multi-turn source hands the environments their problems)."""
+        prompt_ids = self.encode_prompts(problems)
+        if sampler_cfg.kind != "jax":
+            seed += first
+        params = prompts.sampling_params(
+            sampler_cfg, self.tokenizer, eval_mode=eval_mode, seed=seed
+        )
+        if generate is None:
+            completions = self.sampler.generate(prompt_ids, n, params)
+        else:
+            completions = generate(problems, prompt_ids, n, params)
+        if len(completions) != len(prompt_ids) * n:
+            raise RuntimeError(
+                f"sampler returned {len(completions)} completions for {len(prompt_ids)} x {n}"
+            )
+        return prompt_ids, completions
+
+    def sample_and_grade(
+        self,
+        problems: list[loading.Problem],
+        n: int,
+        sampler_cfg: config_lib.SamplerSection,
+        *,
+        seed: int,
+        first: int = 0,
+        eval_mode: bool = False,
+        generate: Callable | None = None,
+        score: Callable | None = None,
+    ):
+        """``sample``, then the grader's scores of every completion: (prompt ids, completions,
+        scores, ``grading.GradingStats``). ``score(problems, completions, n)``: another way to
+        score them (the multi-turn source adds the environments' rewards)."""
+        prompt_ids, completions = self.sample(
+            problems,
+            n,
+            sampler_cfg,
+            seed=seed,
+            first=first,
+            eval_mode=eval_mode,
+            generate=generate,
+        )
+        if score is None:
+            scores, stats = self.grader.grade(problems, [c.text for c in completions], n)
+        else:
+            scores, stats = score(problems, completions, n)
+        return prompt_ids, completions, scores, stats
 
     def close(self) -> None:
         """Stops the sampler and the grading pool (each even if the other fails)."""
