@@ -22,7 +22,7 @@ from typing import Literal
 import jax
 from flax import nnx
 
-from jaxrlvr import builders, distributed, export, phases, placement, preflight
+from jaxrlvr import builders, distributed, export, passes, phases, placement, preflight
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
@@ -81,7 +81,17 @@ def assemble(
         row_block = step_lib.process_row_block(mesh)
     else:
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
-    teachers = load_teachers(cfg, mesh, tokenizer, model.config.vocab_size, train_problems)
+    # The rollout passes (teacher scores, routing replay), loaded and checked before any compute.
+    run_passes = ()
+    if train:
+        run_passes = passes.build(
+            cfg,
+            model_cfg=model.config,
+            graphdef=graphdef,
+            mesh=mesh,
+            tokenizer=tokenizer,
+            problems=train_problems,
+        )
     grader = builders.build_grader(cfg)
     try:
         sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
@@ -107,7 +117,7 @@ def assemble(
         row_block=row_block,
         grader=grader,
         sampler=sampler,
-        teachers=teachers if train else None,
+        passes=run_passes,
     )
     return ctx, params
 
@@ -134,48 +144,3 @@ def load_splits(
         train_problems += [dataclasses.replace(p, domain=m.domain) for p in tr]
         eval_problems += [dataclasses.replace(p, domain=m.domain) for p in ev]
     return train_problems, eval_problems
-
-
-def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int, problems):
-    """On-policy distillation's ``TeacherRegistry`` (``rl.algo: distill``; None otherwise):
-    each distinct source of ``rl.distill`` loaded once (a folder on ``mesh``, or a vLLM URL),
-    then checked against the student (tokenizer, vocabulary) and ``problems``' domains, one
-    line per refusal (``teachers.TeacherError``), before any step compiles."""
-    if cfg.rl.algo != "distill":
-        return None
-    from jaxrlvr import teachers as teachers_lib
-
-    d = cfg.rl.distill
-    domains = [p.domain or "default" for p in problems]
-    if d.teacher is None:  # a domain without a teacher: refused before any teacher loads
-        for domain in dict.fromkeys(domains):
-            if domain not in d.sources:
-                raise teachers_lib.TeacherError(
-                    f"no teacher for domain {domain!r} (rl.distill.teachers: "
-                    f"{sorted(d.sources)}); add one or set rl.distill.teacher"
-                )
-    local = [s for s in d.sources.values() if not s.startswith(("http://", "https://"))]
-    if d.signal == "jsd" and local and jax.process_count() > 1:
-        raise teachers_lib.TeacherError(
-            f"rl.distill.signal=jsd with the local teacher {local[0]!r} in a multi-process job: "
-            "a local teacher's top-k is computed on device in one-process jobs only; serve it "
-            "with vLLM (an http:// teacher) or run one process"
-        )
-    loaded: dict[str, teachers_lib.Teacher] = {}
-    for source in dict.fromkeys(d.sources.values()):
-        kwargs = (
-            {}
-            if source.startswith(("http://", "https://"))
-            else {
-                "mesh": mesh,
-                "dtype": d.teacher_dtype,
-                "chunk_size": cfg.rl.logprob_chunk_size,
-            }
-        )
-        loaded[source] = teachers_lib.load_teacher(source, **kwargs)
-    registry = teachers_lib.TeacherRegistry(
-        {domain: loaded[src] for domain, src in d.sources.items()},
-        default="default" if d.teacher is not None else None,
-    )
-    registry.check(domains, student_vocab_size=vocab_size, student_tokenizer=tokenizer)
-    return registry

@@ -19,7 +19,7 @@ import os
 from typing import Literal
 
 from jaxrlvr import configlib
-from jaxrlvr.algos import loss_config, registry
+from jaxrlvr.algos import loss_config, registry, routing
 from jaxrlvr.algos.optim import OptimizerConfig
 from jaxrlvr.data.multiplication import MultiplicationConfig
 from jaxrlvr.data.scratchpad import ScratchpadConfig
@@ -310,9 +310,12 @@ class RLFields:
     ``routing_replay`` (MoE models; ``algos.routing``): "none" trains on the live top-k
     experts, "r3" replays the experts the sampler recorded for each rollout (the JaxSampler
     records them; a vLLM server must return them), "r2" the trainer's own experts of the batch
-    under the parameters before the step (fixed across its epochs). ``routing_metrics``: with
-    recorded routes, report the sampler-vs-trainer routing disagreement and the k3 gap with and
-    without replay every step (``routing/*``; two extra forwards per step).
+    under the parameters before the step (fixed across its epochs); on a dense model r3 / r2
+    are refused. ``routing_metrics`` (``passes.routing_replay``): "basic" reports the
+    sampler-vs-trainer routing disagreement from the update's own forward (no extra forward;
+    nothing under replay), "full" also the k3 gap of the trainer with and without replay every
+    ``routing_metrics_every`` steps (two extra forwards on those steps), "off" none
+    (``routing/*``).
     """
 
     # A method that trains on pairs (dpo, ipo, simpo, orpo) is an offline preference phase on
@@ -347,8 +350,9 @@ class RLFields:
     max_staleness: int = 0
     off_policy_correction: bool = True
     behaviour_logprobs: bool = True
-    routing_replay: Literal["none", "r3", "r2"] = "none"
-    routing_metrics: bool = True
+    routing_replay: routing.ReplayMode = "none"
+    routing_metrics: routing.MetricsMode = "basic"
+    routing_metrics_every: int = 1
 
     @property
     def rollouts_per_step(self) -> int:
@@ -617,8 +621,11 @@ def check_rl_section(rl: RLSection) -> None:
             f"{rl.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
             "version that sampled), or source 'both'"
         )
-    if rl.routing_replay not in ("none", "r3", "r2"):
-        raise ValueError(f"rl.routing_replay={rl.routing_replay!r}: expected one of none, r3, r2")
+    routing.check_mode(rl.routing_replay)
+    routing.check_mode(rl.routing_metrics, "rl.routing_metrics", routing.MetricsMode)
+    every = rl.routing_metrics_every
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"rl.routing_metrics_every={every!r}: expected an int >= 1")
     if rl.max_tokens_per_row is not None and rl.max_tokens_per_row < 1:
         raise ValueError(f"rl.max_tokens_per_row={rl.max_tokens_per_row!r} must be >= 1")
     budget = rl.max_tokens_per_microbatch

@@ -38,7 +38,7 @@ import os
 from typing import Literal
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, hub, prompts, rundir
+from jaxrlvr import configlib, hub, prompts, rundir, teachers
 
 Mode = Literal["train", "eval", "export"]
 MODES = ("train", "eval", "export")
@@ -360,18 +360,19 @@ def check_routing_replay(cfg: config_lib.TrainConfig) -> None:
 
 
 def check_teachers(cfg: config_lib.TrainConfig) -> None:
-    """``rl.algo: distill``: each teacher of ``rl.distill`` is a model folder (config.json and
-    safetensors) or a vLLM server that answers ``/health``. Its tokenizer, vocabulary and the
-    problems' domains are checked once it is loaded (``assembly.load_teachers``)."""
-    if cfg.rl.algo != "distill":
+    """Each teacher ``rl.distill`` names is a model folder (config.json and safetensors) or a
+    vLLM server that answers ``/health``, and the configured domains have one. Its tokenizer,
+    vocabulary and the problems' domains are checked once it is loaded
+    (``teachers.load_registry``, by the rollout pass ``passes.teacher_scores``)."""
+    if not cfg.rl.distill.sources:
         return
     d = cfg.rl.distill
     configured = [m.domain for m in cfg.data.mixture] or [cfg.data.domain or "default"]
-    missing = [x for x in configured if x not in d.sources]
-    if missing and d.teacher is None:
+    missing = teachers.missing_domain(configured, d.sources, d.teacher is not None)
+    if missing is not None:
         where = "data.mixture" if cfg.data.mixture else "data.domain"
         raise configlib.PreflightError(
-            f"{where}: domain {missing[0]!r} has no teacher in rl.distill.teachers "
+            f"{where}: domain {missing!r} has no teacher in rl.distill.teachers "
             f"(have {sorted(d.sources)}) and rl.distill.teacher is not set"
         )
     for domain, source in d.sources.items():
@@ -380,7 +381,7 @@ def check_teachers(cfg: config_lib.TrainConfig) -> None:
             if domain == "default" and d.teacher
             else (f"rl.distill.teachers.{domain}")
         )
-        if source.startswith(("http://", "https://")):
+        if teachers.is_url(source):
             try:
                 check_vllm_url(source)
             except configlib.PreflightError as e:

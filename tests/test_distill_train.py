@@ -216,7 +216,7 @@ def test_an_async_lora_student_and_tool_trajectories_distil(tmp_path, folders):
 
 
 def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
-    from jaxrlvr import assembly, builders, configlib, preflight, teachers
+    from jaxrlvr import builders, configlib, preflight, teachers
     from jaxrlvr import config as config_lib
     from jaxrlvr import model as model_lib
 
@@ -241,14 +241,21 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
     mesh = model_lib.make_mesh(cfg.mesh, jax.devices()[:1])
     problems, _ = builders.load_splits(cfg, train=True)
     with pytest.raises(teachers.TeacherError, match=r"no teacher for domain 'default'") as e:
-        assembly.load_teachers(cfg, mesh, tokenizer, tokenizer.vocab_size, problems)
+        teachers.load_registry(
+            cfg.rl.distill,
+            domains=[p.domain or "default" for p in problems],
+            student_vocab_size=tokenizer.vocab_size,
+            student_tokenizer=tokenizer,
+            mesh=mesh,
+        )
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompts"])
 def test_teacher_logps_laid_out_like_sampler_logps(layout):
-    """``rollout.shape(teacher_logps=...)``: the same values as ``sampler_logp`` when the
-    teacher's log-probs are the sampler's, in every layout (forced tokens included)."""
+    """``rollout.shape(fields=...)`` (a rollout pass's per-token fields): the same values as
+    ``sampler_logp`` when the teacher's log-probs are the sampler's, in every layout (forced
+    tokens included)."""
     import numpy as np
 
     from jaxrlvr import rollout
@@ -276,7 +283,7 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
         scores,
         cfg,
         pad_id=0,
-        teacher_logps=[np.asarray(c.logprobs, np.float32) for c in completions],
+        fields={"teacher_logp": [np.asarray(c.logprobs, np.float32) for c in completions]},
     )
     np.testing.assert_array_equal(batch.teacher_logp, batch.sampler_logp)
     assert np.count_nonzero(batch.teacher_logp) == sum(lengths)
@@ -285,9 +292,12 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
         (np.stack([c.token_ids, [1] * len(c.token_ids)], 1), np.stack([c.logprobs] * 2, 1))
         for c in completions
     ]
-    batch, _ = rollout.shape(
-        prompts, completions, scores, cfg, pad_id=0, teacher_topk=topk, domain_ids=[1, 2] * 3
-    )
+    fields = {
+        "teacher_topk_ids": [ids for ids, _ in topk],
+        "teacher_topk_logp": [lp for _, lp in topk],
+        "domain_ids": [np.full(len(c.token_ids), 1 + i % 2) for i, c in enumerate(completions)],
+    }
+    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, fields=fields)
     want = (*batch.input_ids.shape, 2)
     assert batch.teacher_topk_ids.shape == batch.teacher_topk_logp.shape == want
     assert batch.teacher_topk_ids.dtype == batch.domain_ids.dtype == np.int32
@@ -297,7 +307,9 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
     assert np.count_nonzero(batch.domain_ids == 2) == sum(lengths[1::2])
     assert np.count_nonzero(batch.domain_ids == 1) == sum(lengths[0::2])
     with pytest.raises(ValueError, match="completion 0: 2 values for 3 tokens"):
-        rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=[[0.0, 0.0]] * 6)
+        rollout.shape(
+            prompts, completions, scores, cfg, pad_id=0, fields={"teacher_logp": [[0.0, 0.0]] * 6}
+        )
 
 
 def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
@@ -326,9 +338,9 @@ def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
 
 @pytest.mark.slow
 def test_several_local_teachers_score_each_token_by_its_domain(folders):
-    """``teachers.device_scores`` (``Learner.prepare``'s pass): in packed rows with shared
-    prompts, each completion's tokens take its own domain's teacher's log-probs, equal to that
-    teacher's host scores of the completion (1e-5), and its top-k."""
+    """``teachers.device_scores`` (``passes.teacher_scores``' device part): in packed rows
+    with shared prompts, each completion's tokens take its own domain's teacher's log-probs,
+    equal to that teacher's host scores of the completion (1e-5), and its top-k."""
     import numpy as np
 
     from jaxrlvr import rollout, teachers
@@ -350,7 +362,8 @@ def test_several_local_teachers_score_each_token_by_its_domain(folders):
     scores = [{"reward": 0.0, "answer_reward": 0.0, "format_reward": 0.0}] * 4
     domain_ids = [0, 1, 1, 0]  # both domains inside one shared-prompt block
     cfg = rollout.ShapingConfig(group_size=2, packing=True, share_prompts=True)
-    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, domain_ids=domain_ids)
+    ids_f = {"domain_ids": [np.full(len(c.token_ids), d) for c, d in zip(completions, domain_ids)]}
+    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, fields=ids_f)
     groups = [(a, (0,)), (b, (1,))]
     got = teachers.device_scores(groups, batch)["teacher_logp"]
     host = {
@@ -360,8 +373,10 @@ def test_several_local_teachers_score_each_token_by_its_domain(folders):
         for t in (a, b)
     }
     own = [host[a if d == 0 else b][i] for i, d in enumerate(domain_ids)]
-    # The host path's layout of the same scores (``RolloutSource.teacher_scores``).
-    want, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=own)
+    # The host path's layout of the same scores (``TeacherScores.host``).
+    want, _ = rollout.shape(
+        prompts, completions, scores, cfg, pad_id=0, fields={"teacher_logp": own}
+    )
     want = want.teacher_logp
     mask = batch.loss_mask != 0
     np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=1e-5)

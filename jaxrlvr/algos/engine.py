@@ -276,7 +276,8 @@ def accumulate_gradients(
         # A MoE policy's router signals: the optional aux loss and the router metrics.
         with moe.collect_routers() as routers:
             out = loss_fn(p, mb)
-        return moe.add_router_terms(out, routers, num_microbatches)
+        out = moe.add_router_terms(out, routers, num_microbatches)
+        return routing.add_disagreement(out, routers, mb)
 
     metrics_shape = jax.eval_shape(lambda p, mb: routed_loss(p, mb)[1], diff_params, first)
 

@@ -45,12 +45,9 @@ class GradedRollouts:
       version: the weight version that sampled the batch when the learner needs its behaviour
         log-probs (stale batches with ``rl.behaviour_logprobs``), else None.
       generate_s: seconds the asynchronous generation took (None: sampled in the step).
-      teacher_logps: with teachers (``rl.algo: distill``) scored on the host, each
-        completion token's log-prob under its problem's teacher (``teacher_scores``), else None.
-      teacher_topk: the same for ``rl.distill.signal: jsd``: per completion, the teacher's
-        (ids [L, K], log-probs [L, K]) of its top-k tokens at each completion token.
-      domain_ids: with local teachers scoring on device (``Learner.prepare``), each
-        completion's problem domain as ``TeacherRegistry.index`` numbers it, else None.
+      fields: the rollout passes' host fields (``passes.RolloutPass.host``): ``Batch`` field
+        name -> per completion an array [L] or [L, K] over its tokens (``rollout.shape`` lays
+        them out).
     """
 
     prompts: list[list[int]]
@@ -59,9 +56,7 @@ class GradedRollouts:
     metrics: dict[str, float]
     version: int | None = None
     generate_s: float | None = None
-    teacher_logps: list[np.ndarray] | None = None
-    teacher_topk: list[tuple[np.ndarray, np.ndarray]] | None = None
-    domain_ids: list[int] | None = None
+    fields: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class RolloutSource:
@@ -230,65 +225,14 @@ class RolloutSource:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        teacher_f, teacher_m = {}, {}
-        teachers = self.ctx.teachers
-        if teachers is not None:
-            g = self.rl.group_size
-            domains = [problems[i // g].domain or "default" for i in range(len(completions))]
-            if teachers.device_groups is not None and jax.process_count() == 1:
-                # Local teachers score the placed batch in ``Learner.prepare``, by domain.
-                teacher_f = {"domain_ids": [teachers.index(d) for d in domains]}
-            else:
-                with timer.phase("teacher"):
-                    teacher_f, teacher_m = self.teacher_scores(domains, prompt_ids, completions)
-        metrics = {**sample_m, **grading_stats.as_metrics(), **m, **teacher_m}
-        return GradedRollouts(
-            prompt_ids, completions, scores, metrics, version, generate_s, **teacher_f
-        )
-
-    def teacher_scores(self, domains, prompt_ids, completions):
-        """(``GradedRollouts``' teacher fields, metrics): each completion scored by its
-        problem's teacher (``domains``: per completion) through the run's ``TeacherRegistry``
-        (local or vLLM teachers) on the host, each teacher asked once: its log-probs
-        (``teacher_logps``), or with ``rl.distill.signal: jsd`` its top-k (``teacher_topk``).
-        Metrics per domain (the registry's: ``TeacherRegistry.routed``) over the sampled tokens
-        (environment tokens of multi-turn trajectories excluded). Reverse KL:
-        ``distill/<domain>/reverse_kl`` (k1: mean of log p_sampler - log p_teacher) and
-        ``distill/<domain>/teacher_top1_lb``, the share of tokens whose teacher probability
-        exceeds 1/2 (certainly the teacher's argmax: a lower bound of the agreement; the exact
-        one needs the top-k). JSD: ``distill/<domain>/agreement``, the share of sampled tokens
-        equal to the teacher's most likely token."""
-        registry, d = self.ctx.teachers, self.rl.distill
-        prompts_n = [prompt_ids[i // self.rl.group_size] for i in range(len(completions))]
-        tokens = [c.token_ids for c in completions]
-        if d.signal == "jsd":
-            got = registry.completion_topk(prompts_n, tokens, domains, d.top_k)
-            fields = {"teacher_topk": got}
-        else:
-            got = registry.completion_logprobs(prompts_n, tokens, domains)
-            fields = {"teacher_logps": got}
-        sums: dict[str, list[float]] = {}
-        for domain, c, value in zip(domains, completions, got):
-            forced = getattr(c, "forced", None) or [False] * len(c.token_ids)
-            keep = ~np.asarray(forced, bool) if c.token_ids else np.zeros(0, bool)
-            if not c.logprobs or not keep.any():
-                continue
-            acc = sums.setdefault(registry.routed(domain), [0.0, 0.0, 0.0])
-            if d.signal == "jsd":
-                top1 = (value[0][:, 0] == np.asarray(c.token_ids))[keep]
-            else:
-                acc[0] += float((np.asarray(c.logprobs, np.float64) - value)[keep].sum())
-                top1 = value[keep] > np.log(0.5)
-            acc[1] += float(top1.sum())
-            acc[2] += float(keep.sum())
-        metrics = {}
-        for domain, (kl, top1, n) in sums.items():
-            if d.signal == "jsd":
-                metrics[f"distill/{domain}/agreement"] = top1 / n
-            else:
-                metrics[f"distill/{domain}/reverse_kl"] = kl / n
-                metrics[f"distill/{domain}/teacher_top1_lb"] = top1 / n
-        return fields, metrics
+        fields, pass_m = {}, {}
+        for p in self.ctx.passes:  # each pass's host part (teacher scores, route checks)
+            with timer.phase(p.name):
+                f, pm = p.host(problems, prompt_ids, completions)
+            fields.update(f)
+            pass_m.update(pm)
+        metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
+        return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
         """The one place the trainer waits for rollouts: step t + k's batch must be finished by

@@ -399,3 +399,55 @@ def test_routes_over_the_moe_layers_only_equal_routes_over_every_layer():
     # The decoder gets the same forced experts either way (one forward shows it runs).
     np.testing.assert_array_equal(routing.to_model(moe_only, MIXED), routing.to_model(every, MIXED))
     assert np.isfinite(_logp(lm, batch.replace(routes=moe_only))).all()
+
+
+def test_replay_on_a_dense_model_is_refused_in_one_line():
+    """``rl.routing_replay: r3`` (or r2) on a dense model used to train on, replaying nothing;
+    the routing pass refuses it when the run is assembled, naming the field."""
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import configlib
+    from jaxrlvr.passes import routing_replay
+
+    dense = dataclasses.replace(CFG, **_DENSE)
+    for mode in ("r3", "r2"):
+        cfg = config_lib.load_config("configs/demo.yaml", [f"rl.routing_replay={mode}"])
+        with pytest.raises(configlib.ConfigKeyError, match=rf"rl.routing_replay={mode}: .*dense"):
+            routing_replay.RoutingReplay.from_config(cfg, model_cfg=dense, graphdef=None)
+    cfg = config_lib.load_config("configs/demo.yaml", [])
+    assert routing_replay.RoutingReplay.from_config(cfg, model_cfg=dense, graphdef=None) is None
+
+
+@pytest.mark.slow
+def test_basic_routing_metrics_come_from_the_update_forward(lm, completions):
+    """``rl.routing_metrics: basic`` with replay off: the pass moves the recorded routes to
+    ``sampler_routes`` and builds no forward of its own; the update's forward (one epoch: the
+    parameters before the step) reports the disagreement, equal to ``routing.disagreement`` of
+    a separate forward's live routes (counts: exact), over 2 microbatches."""
+    import optax
+
+    from jaxrlvr.algos import grpo, routing
+    from jaxrlvr.passes import routing_replay
+
+    routes = _other_routes(completions, seed=2)
+    _, batch = _rows(completions, routes, batch_size=4)
+    batch = batch.replace(
+        advantages=np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
+        sampler_logp=np.zeros(batch.input_ids.shape, np.float32),
+    )
+    graphdef, params = nnx.split(lm, nnx.Param)
+    rp = routing_replay.RoutingReplay(CFG, graphdef, mode="none", metrics="basic")
+    fed, pass_m = rp.device(None, batch, step=0)
+    assert pass_m == {} and not rp._fns and fed.routes is None
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.0), grpo.GRPOUpdateConfig(num_microbatches=2))
+    state = algo.init(params, 0)
+    _, metrics = jax.jit(algo.update)(state, algo.prepare(state, fed)[0])
+    got = rp.finish(jax.device_get(metrics))
+    _, _, router = lm.backbone(
+        jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask), with_router=True
+    )
+    live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))
+    want = routing.disagreement(batch.routes, live, batch.attention_mask)
+    assert want["routing/disagree"] > 0.1  # other experts than the live ones
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-6), k
+    assert not any("/_" in k for k in got)
