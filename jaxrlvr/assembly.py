@@ -1,6 +1,9 @@
 """The run assembled once, eagerly, from a ``TrainConfig``: what ``train``, ``eval``, ``pairs``
 and the TRL peer share.
 
+``open_run`` is the one way a command opens a run: the compile cache, the backend, every input
+checked (``preflight.check``), the run assembled, and closed at the end.
+
 ``start_backend`` places vLLM's and JAX's GPUs and joins the job's processes
 (``jax.distributed``): once per process, before anything else starts JAX. ``assemble`` then
 builds, in the order a user would fix their problems, the mesh (checked against every phase's
@@ -17,12 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
 from flax import nnx
 
-from jaxrlvr import builders, distributed, export, passes, phases, placement, preflight
+from jaxrlvr import (
+    builders,
+    compile_cache,
+    distributed,
+    export,
+    passes,
+    phases,
+    placement,
+    preflight,
+)
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
@@ -30,6 +44,72 @@ from jaxrlvr.data import loading, shards
 from jaxrlvr.phases import base
 
 Mode = Literal["train", "eval", "pairs"]
+
+
+@dataclasses.dataclass(eq=False)
+class OpenRun:
+    """A run ``open_run`` opened: the checked config (hub ids resolved), the run's components,
+    and the policy's parameters (the trainer takes them: ``take_params``)."""
+
+    cfg: config_lib.TrainConfig
+    ctx: base.RunContext
+    params: nnx.State | None
+
+    def take_params(self) -> nnx.State:
+        """The parameters, dropped from here so that the caller holds the only reference."""
+        params, self.params = self.params, None
+        return params
+
+
+@contextlib.contextmanager
+def open_run(
+    cfg: config_lib.TrainConfig,
+    *,
+    mode: Mode,
+    checkpoint: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Iterator[OpenRun]:
+    """Opens a run for a command (``train``, ``eval``, ``pairs``), the same way for each, and
+    closes its sampler and grading pool at the end.
+
+    In order: the persistent compile cache on (before anything compiles) and the process's
+    compile counter started; the backend started (``start_backend``: placement and
+    ``jax.distributed``, before anything starts JAX); every input checked
+    (``preflight.check(mode=...)``; in a multi-process job every process checks before process
+    0 may move an old run aside); the run assembled (``assemble``).
+
+    Args:
+      mode: the command: "train" (the run directory is made), "eval" or "pairs".
+      checkpoint: eval / pairs: a run directory whose newest checkpoint is the policy, which
+        then is the run's ``run.out_dir``; None: the config's initial model.
+      resume, overwrite: train: continue the run in ``run.out_dir``, or move it aside.
+    """
+    if checkpoint is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=checkpoint))
+    compile_cache.enable(cfg.run.compile_cache)
+    compile_cache.process_counter().start()
+    start_backend(cfg)  # before jax.process_index() starts the backend
+    cfg = preflight.check(
+        cfg,
+        mode=mode,
+        checkpoint=checkpoint,
+        resume=resume,
+        overwrite=overwrite and jax.process_index() == 0,
+    )
+    if jax.process_count() > 1:  # every process checked out_dir before process 0 writes to it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrlvr-preflight")
+    if mode == "train":
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+    ctx, params = assemble(cfg, mode=mode, checkpoint=checkpoint)
+    run = OpenRun(cfg, ctx, params)
+    del params
+    try:
+        yield run
+    finally:
+        ctx.close()
 
 
 def start_backend(cfg: config_lib.TrainConfig) -> placement.Placement:

@@ -5,17 +5,15 @@ would be: the first ``eval.max_problems`` of each domain's held-out problems, wi
 ``eval/<domain>/accuracy`` beside the pooled metrics.
 
 ``evaluate`` is what the training loop's evaluation hook runs (on the run's live sampler);
-``evaluate_only`` (``jaxrlvr eval``) assembles the run for a run's newest checkpoint or for the
-config's initial model (``assembly.assemble``, mode "eval") and does the same.
+``evaluate_only`` (``jaxrlvr eval``) opens the run for a run's newest checkpoint or for the
+config's initial model (``assembly.open_run``, mode "eval") and does the same.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from jaxrlvr import assembly, compile_cache, distributed, preflight
+from jaxrlvr import assembly, distributed
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import loading
@@ -89,13 +87,5 @@ def accuracy_by_domain(domains: list, scores: list[dict], n: int) -> dict[str, f
 def evaluate_only(cfg: config_lib.TrainConfig, run_dir: str | None = None) -> dict[str, float]:
     """Held-out evaluation of a run's newest checkpoint (``run_dir``), or of the config's
     initial model when ``run_dir`` is None."""
-    if run_dir is not None:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
-    cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
-    assembly.start_backend(cfg)  # vLLM's GPUs stay free
-    ctx, _ = assembly.assemble(cfg, mode="eval", checkpoint=run_dir)
-    try:
-        return evaluate(ctx, cfg.eval, cfg.sampler, seed=cfg.run.seed)
-    finally:
-        ctx.close()
+    with assembly.open_run(cfg, mode="eval", checkpoint=run_dir) as run:
+        return evaluate(run.ctx, run.cfg.eval, run.cfg.sampler, seed=run.cfg.run.seed)

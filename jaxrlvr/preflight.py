@@ -40,8 +40,8 @@ from typing import Literal
 from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, hub, prompts, rundir, teachers
 
-Mode = Literal["train", "eval", "export"]
-MODES = ("train", "eval", "export")
+Mode = Literal["train", "eval", "pairs", "export"]
+MODES = ("train", "eval", "pairs", "export")
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -404,12 +404,13 @@ def check(
 
     Args:
       cfg: the run's config.
-      mode: "train" (train and sft), "eval" or "export".
+      mode: "train" (train and sft), "eval", "pairs" (what eval reads, the training split
+        sampled) or "export".
       resume: train: continue the run in ``run.out_dir``.
       overwrite: train: start over in an ``out_dir`` that holds a run; its files are moved to
         ``out_dir/previous-<UTC time>/`` once every other check has passed.
-      checkpoint: eval/export: the run directory whose ``checkpoints/`` is read; it must hold a
-        complete checkpoint (eval without it evaluates ``model.path`` and needs none).
+      checkpoint: eval/pairs/export: the run directory whose ``checkpoints/`` is read; it must
+        hold a complete checkpoint (eval without it evaluates ``model.path`` and needs none).
       step: export: the checkpoint step (default: the newest).
       hub_timeout_s: how long the hub's reachability probe may take.
 
@@ -429,7 +430,7 @@ def check(
         check_routing_replay(cfg)
         check_teachers(cfg)
     if checkpoint is not None:
-        flag = "--checkpoint" if mode == "eval" else "export RUN_DIR"
+        flag = "export RUN_DIR" if mode == "export" else "--checkpoint"
         rundir.check_checkpoint(checkpoint, flag, step)
     elif mode == "export":
         raise configlib.PreflightError("export: a run directory with a checkpoint is required")
@@ -472,7 +473,7 @@ def check(
     if mode == "train":
         check_rows(cfg, rows)
 
-    if mode in ("train", "eval"):
+    if mode != "export":
         check_sampler(cfg.sampler)
 
     if mode == "train" and overwrite and rundir.existing_run(cfg.run.out_dir):
