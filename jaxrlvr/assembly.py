@@ -13,6 +13,10 @@ shards of this process, the grader, and the sampler, started now on the model's 
 wrapped as the run's phases need it (``Phase.sampler_wrapper``). The result is a
 ``phases.base.RunContext``: the phases get it, and the loop closes it.
 
+``load_policy`` gives eval and pairs their policy: the config's initial model or a run's
+checkpoint (``restore_policy``, which ``export`` uses too), restored through the method the
+checkpoint records (``algos.registry``).
+
 Not here: the parts themselves (``builders``), the loop (``train``).
 """
 
@@ -31,14 +35,16 @@ from jaxrlvr import (
     builders,
     compile_cache,
     distributed,
-    export,
     passes,
     phases,
     placement,
     preflight,
+    prompts,
 )
+from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading, shards
 from jaxrlvr.phases import base
@@ -140,7 +146,7 @@ def assemble(
         positions = builders.model_config(cfg.model, tokenizer).max_position_embeddings
     else:
         purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
-        model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
+        model = load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
         positions = model.config.max_position_embeddings
     train_problems, eval_problems = load_splits(cfg, train=mode != "eval")
     # Every prompt fits the model before any weight is loaded or step compiled.
@@ -200,6 +206,64 @@ def assemble(
         passes=run_passes,
     )
     return ctx, params
+
+
+def checkpoint_method(cfg: config_lib.TrainConfig, extra: dict) -> str:
+    """The registered method whose state a checkpoint holds: its ``method``; a checkpoint written
+    before phases recorded it names its record "sft" or "rl" (then ``rl.algo``'s)."""
+    if "method" in extra:
+        return extra["method"]
+    return registry.SFT if extra.get("record") == "sft" else cfg.rl.algo
+
+
+def restore_policy(
+    cfg: config_lib.TrainConfig, run_dir: str, mesh, tokenizer, *, step: int | None = None
+) -> tuple[int, model_lib.Qwen2ForCausalLM]:
+    """The policy of a run's checkpoint (default: the newest that restores), restored into an
+    abstract model: no Hugging Face weights are loaded, no data or graders are touched.
+
+    The architecture comes from the checkpoint (``model_config``), else from the run's config.
+    """
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
+
+    def target(s, extra):
+        if extra.get("model_config"):
+            m = cfg.model
+            model_cfg = model_lib.ModelConfig.from_hf_config(
+                extra["model_config"],
+                dtype=m.dtype,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+                lora=m.lora,
+            )
+        else:
+            model_cfg = builders.model_config(cfg.model, tokenizer)
+        graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
+        algo = registry.build(checkpoint_method(cfg, extra), cfg, graphdef, params_shape, mesh)
+        target.graphdef = graphdef
+        return {"state": checkpoint_lib.abstract_state(algo, params_shape, mesh)[0]}
+
+    try:
+        restored = ckpt.restore_latest(target, step=step, log=prompts.log)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+    step, tree, _ = restored
+    return step, nnx.merge(target.graphdef, tree["state"].params)
+
+
+def load_policy(
+    cfg: config_lib.TrainConfig, run_dir: str | None, mesh, tokenizer, *, purpose: str
+) -> model_lib.Qwen2ForCausalLM:
+    """The config's initial model (``run_dir`` None), or the policy of a run's newest checkpoint
+    (``restore_policy``), logged as ``"{purpose} checkpoint step N of RUN_DIR"``."""
+    if run_dir is None:
+        return builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
+    step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
+    prompts.log(f"{purpose} checkpoint step {step} of {run_dir}")
+    return model
 
 
 def load_splits(

@@ -21,7 +21,7 @@ preemption) stops the loop at a step boundary that every process agrees on
 (``interrupt.GracefulStop.should_stop``), saves that step and ends the run cleanly.
 
 The builders (tokenizer, model, data, samplers, graders) are ``builders``; evaluation is
-``evaluation``; restoring a policy for eval / export is ``export``.
+``evaluation``; restoring a policy for eval, pairs and export is ``assembly``'s.
 """
 
 from __future__ import annotations
