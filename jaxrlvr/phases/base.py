@@ -69,8 +69,8 @@ class RunContext:
     row_block: tuple[int, int]
     grader: grading.Grader
     sampler: Any
-    # On-policy distillation's ``teachers.TeacherRegistry`` (``rl.algo: distill``), else None.
-    teachers: Any = None
+    # The run's rollout passes (``passes.RolloutPass``: teacher scores, routing replay), in order.
+    passes: tuple = ()
 
     @property
     def pad_id(self) -> int:
