@@ -126,24 +126,14 @@ class RunContext:
         n: int,
         sampler_cfg: config_lib.SamplerSection,
         *,
-        seed: int,
-        first: int = 0,
-        eval_mode: bool = False,
-        generate: Callable | None = None,
         score: Callable | None = None,
+        **sample_kw,
     ):
-        """``sample``, then the grader's scores of every completion: (prompt ids, completions,
-        scores, ``grading.GradingStats``). ``score(problems, completions, n)``: another way to
-        score them (the multi-turn source adds the environments' rewards)."""
-        prompt_ids, completions = self.sample(
-            problems,
-            n,
-            sampler_cfg,
-            seed=seed,
-            first=first,
-            eval_mode=eval_mode,
-            generate=generate,
-        )
+        """``sample`` (``sample_kw``: its ``seed``, ``first``, ``eval_mode``, ``generate``), then
+        the grader's scores of every completion: (prompt ids, completions, scores,
+        ``grading.GradingStats``). ``score(problems, completions, n)``: another way to score
+        them (the multi-turn source adds the environments' rewards)."""
+        prompt_ids, completions = self.sample(problems, n, sampler_cfg, **sample_kw)
         if score is None:
             scores, stats = self.grader.grade(problems, [c.text for c in completions], n)
         else:
