@@ -1,14 +1,9 @@
 """Every check of a run's configuration, in the order a user would fix the problems they find.
 
-1. The config's own values, section by section, then the sections against each other:
-   ``config.check_config``, which ``TrainConfig.__post_init__`` runs, so every way of making a
-   config (YAML, ``key=value`` overrides, ``TrainConfig(...)`` in code and tests,
-   ``dataclasses.replace``) is checked with no entry point to remember, once per config and in
-   one fixed order (not the YAML's key order); the sections themselves are plain records. A
-   section's message reads ``<section>: <problem>`` (``configlib.ConfigKeyError``). It lives in
-   ``config``, not here, because what ``TrainConfig`` runs may import nothing that imports
-   ``config`` (tests/test_package_imports.py: no cycle, not even a lazy one), and this module
-   asks the phases.
+1. The config's own values, then its sections against each other: ``config.check_config``,
+   which ``TrainConfig.__post_init__`` runs (every way of making a config is checked, once, in
+   one order). It lives in ``config``, not here: ``TrainConfig`` may run nothing that imports
+   ``config`` (no import cycle), and this module asks the phases.
 2. What a command will read and the machine it runs on (``check(cfg, mode=...)``): the run
    directory (``rundir``), the method's own needs (routing replay, teachers), the model and
    tokenizer (hub ids resolved to local snapshots by ``hub``), the data files (each named by its
