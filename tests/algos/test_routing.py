@@ -451,3 +451,21 @@ def test_basic_routing_metrics_come_from_the_update_forward(lm, completions):
     for k, v in want.items():
         assert got[k] == pytest.approx(v, abs=1e-6), k
     assert not any("/_" in k for k in got)
+
+
+def test_completion_routes_from_a_sampler_are_checked_before_packing(completions):
+    """The routing pass checks each completion's routes on the host (a vLLM response's too),
+    naming the completion, the field and the position."""
+    from jaxrlvr.algos import routing
+    from jaxrlvr.passes import routing_replay
+
+    rp = routing_replay.RoutingReplay(CFG, None, mode="r3")
+    assert rp.host(None, PROMPTS, completions) == ({}, {})
+    routes = np.array(completions[1].routes)
+    routes[2, 1] = [9, 1]
+    bad = list(completions)
+    bad[1] = dataclasses.replace(completions[1], routes=routes)
+    with pytest.raises(
+        routing.RouteError, match=r"^completion 1: Completion.routes\[2, 1, 0\] = 9"
+    ):
+        rp.host(None, PROMPTS, bad)
