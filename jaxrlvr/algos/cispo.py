@@ -222,18 +222,12 @@ def cispo_algorithm(
     """CISPO as a record (``policy_gradient.policy_gradient_algorithm``): the old pass only with
     several epochs (one epoch on fresh rollouts: weight 1 without it)."""
     cfg = cfg or CISPOUpdateConfig()
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, ("advantages",), (), cfg.num_microbatches
-    )
     return policy_gradient.policy_gradient_algorithm(
         "cispo",
         graphdef,
         optimizer,
+        cfg,
         lambda tx, schedule: make_cispo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh),
-        loss=cfg.loss,
-        rollout_spec=rollout_spec,
-        num_microbatches=cfg.num_microbatches,
-        logprob_chunk_size=cfg.logprob_chunk_size,
         old=epochs_per_batch > 1,
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,

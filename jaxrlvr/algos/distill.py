@@ -600,23 +600,16 @@ def distill_algorithm(
     """
     cfg = cfg or DistillUpdateConfig()
     jsd = cfg.distill.signal == "jsd"
-    if jsd:
-        rollout_spec = jsd_spec(cfg)
-    else:
-        rollout_spec, _ = policy_gradient.policy_specs(
-            cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
-        )
     return policy_gradient.policy_gradient_algorithm(
         "distill",
         graphdef,
         optimizer,
+        cfg,
         lambda tx, schedule: make_distill_update(
             graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh
         ),
-        loss=cfg.loss,
-        rollout_spec=rollout_spec,
-        num_microbatches=cfg.num_microbatches,
-        logprob_chunk_size=cfg.logprob_chunk_size,
+        rollout_fields=cfg.rollout_fields,
+        rollout_spec=jsd_spec(cfg) if jsd else None,
         # The JSD has no importance ratio: no old pass, whatever the epochs or staleness.
         old=not jsd and (epochs_per_batch > 1 or bool(rollouts_may_be_stale)),
         mesh=mesh,

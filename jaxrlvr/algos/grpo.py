@@ -113,18 +113,12 @@ def grpo_algorithm(
     behaviour ("staleness"), where the RL phase supplies ``behaviour_logp`` for stale batches.
     """
     cfg = cfg or GRPOUpdateConfig()
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, ("advantages",), (), cfg.num_microbatches
-    )
     return policy_gradient.policy_gradient_algorithm(
         "grpo",
         graphdef,
         optimizer,
+        cfg,
         lambda tx, schedule: make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh),
-        loss=cfg.loss,
-        rollout_spec=rollout_spec,
-        num_microbatches=cfg.num_microbatches,
-        logprob_chunk_size=cfg.logprob_chunk_size,
         old=epochs_per_batch > 1 or bool(rollouts_may_be_stale),
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,

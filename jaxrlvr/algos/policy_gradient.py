@@ -137,13 +137,13 @@ def policy_gradient_algorithm(
     name: str,
     graphdef: nnx.GraphDef,
     optimizer: algorithm_lib.Optimizer,
+    cfg: Any,
     make_update: Callable[[optax.GradientTransformation, engine.LRSchedule], Callable],
     *,
-    loss: loss_config.PolicyLossConfig,
-    rollout_spec: batch_lib.BatchSpec,
-    num_microbatches: int,
-    logprob_chunk_size: int | None,
     old: bool,
+    rollout_fields: tuple[str, ...] = ("advantages",),
+    update_fields: tuple[str, ...] = (),
+    rollout_spec: batch_lib.BatchSpec | None = None,
     mesh: Any = None,
     epochs_per_batch: int = 1,
     logprob_microbatches: int | None = None,
@@ -152,7 +152,10 @@ def policy_gradient_algorithm(
     extra_pass: Callable[[state_lib.TrainState, batch_lib.Batch], batch_lib.Batch] | None = None,
 ) -> algorithm_lib.Algorithm:
     """The record skeleton of a policy-gradient method, in one order: resolve the optimiser,
-    build the one-epoch update (``make_update(tx, schedule)``), the log-prob function (in
+    build the one-epoch update (``make_update(tx, schedule)``; ``cfg``: the method's update
+    config, whose ``loss``, ``num_microbatches`` and ``logprob_chunk_size`` are read here), the
+    rollout spec (``policy_specs`` of ``rollout_fields`` / ``update_fields`` unless
+    ``rollout_spec`` is given), the log-prob function (in
     ``logprob_microbatches`` chunks, default the update's), ``prepare`` (``policy_passes``: the
     reference's log-probs when ``loss.kl_coef`` > 0, the old policy's when ``old``; then
     ``extra_pass(state, batch)`` if given, e.g. PPO's rollout-time values; then the update's
@@ -161,10 +164,14 @@ def policy_gradient_algorithm(
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
     engine.check_epochs(epochs_per_batch)
     update = make_update(tx, schedule)
+    if rollout_spec is None:
+        rollout_spec, _ = policy_specs(
+            cfg.loss, rollout_fields, update_fields, cfg.num_microbatches
+        )
     logprob_fn = engine.make_logprob_fn(
         graphdef,
-        num_microbatches=logprob_microbatches or num_microbatches,
-        chunk_size=logprob_chunk_size,
+        num_microbatches=logprob_microbatches or cfg.num_microbatches,
+        chunk_size=cfg.logprob_chunk_size,
         mesh=mesh,
     )
 
@@ -175,7 +182,7 @@ def policy_gradient_algorithm(
         return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
     init = algorithm_lib.make_init(
-        graphdef, tx, reference=loss.kl_coef > 0, critic=critic, value_tx=value_tx
+        graphdef, tx, reference=cfg.loss.kl_coef > 0, critic=critic, value_tx=value_tx
     )
     record = algorithm_lib.Algorithm(
         name=name, init=init, prepare=prepare, update=update, rollout_spec=rollout_spec

@@ -257,9 +257,6 @@ def ppo_algorithm(
         if params_shape is None:
             raise ValueError("ppo(trunk='separate'): pass params_shape (the policy's params)")
         value_graphdef = value.critic_graphdef(graphdef, params_shape)
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, ("rewards",), _update_fields(cfg), cfg.num_microbatches
-    )
     value_fn = value.make_value_fn(graphdef, value_graphdef=value_graphdef)
 
     def critic(params, key):
@@ -285,12 +282,11 @@ def ppo_algorithm(
         "ppo",
         graphdef,
         optimizer,
+        cfg,
         make_update,
-        loss=cfg.loss,
-        rollout_spec=rollout_spec,
-        num_microbatches=cfg.num_microbatches,
-        logprob_chunk_size=cfg.logprob_chunk_size,
         old=True,
+        rollout_fields=("rewards",),
+        update_fields=_update_fields(cfg),
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,
         logprob_microbatches=logprob_microbatches,
