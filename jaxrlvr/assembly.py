@@ -1,6 +1,9 @@
 """The run assembled once, eagerly, from a ``TrainConfig``: what ``train``, ``eval``, ``pairs``
 and the TRL peer share.
 
+``open_run`` is the one way a command opens a run: the compile cache, the backend, every input
+checked (``preflight.check``), the run assembled, and closed at the end.
+
 ``start_backend`` places vLLM's and JAX's GPUs and joins the job's processes
 (``jax.distributed``): once per process, before anything else starts JAX. ``assemble`` then
 builds, in the order a user would fix their problems, the mesh (checked against every phase's
@@ -10,6 +13,10 @@ shards of this process, the grader, and the sampler, started now on the model's 
 wrapped as the run's phases need it (``Phase.sampler_wrapper``). The result is a
 ``phases.base.RunContext``: the phases get it, and the loop closes it.
 
+``load_policy`` gives eval and pairs their policy: the config's initial model or a run's
+checkpoint (``restore_policy``, which ``export`` uses too), restored through the method the
+checkpoint records (``algos.registry``).
+
 Not here: the parts themselves (``builders``), the loop (``train``).
 """
 
@@ -17,21 +24,98 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import os
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
 from flax import nnx
 
-from jaxrlvr import builders, distributed, export, phases, placement, preflight
+from jaxrlvr import (
+    builders,
+    compile_cache,
+    distributed,
+    passes,
+    phases,
+    placement,
+    preflight,
+    prompts,
+)
+from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading, shards
 from jaxrlvr.phases import base
-from jaxrlvr.rewards import code, grading, verifiers
 
 Mode = Literal["train", "eval", "pairs"]
+
+
+@dataclasses.dataclass(eq=False)
+class OpenRun:
+    """A run ``open_run`` opened: the checked config (hub ids resolved), the run's components,
+    and the policy's parameters (the trainer takes them: ``take_params``)."""
+
+    cfg: config_lib.TrainConfig
+    ctx: base.RunContext
+    params: nnx.State | None
+
+    def take_params(self) -> nnx.State:
+        """The parameters, dropped from here so that the caller holds the only reference."""
+        params, self.params = self.params, None
+        return params
+
+
+@contextlib.contextmanager
+def open_run(
+    cfg: config_lib.TrainConfig,
+    *,
+    mode: Mode,
+    checkpoint: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Iterator[OpenRun]:
+    """Opens a run for a command (``train``, ``eval``, ``pairs``), the same way for each, and
+    closes its sampler and grading pool at the end.
+
+    In order: the persistent compile cache on (before anything compiles) and the process's
+    compile counter started; the backend started (``start_backend``: placement and
+    ``jax.distributed``, before anything starts JAX); every input checked
+    (``preflight.check(mode=...)``; in a multi-process job every process checks before process
+    0 may move an old run aside); the run assembled (``assemble``).
+
+    Args:
+      mode: the command: "train" (the run directory is made), "eval" or "pairs".
+      checkpoint: eval / pairs: a run directory whose newest checkpoint is the policy, which
+        then is the run's ``run.out_dir``; None: the config's initial model.
+      resume, overwrite: train: continue the run in ``run.out_dir``, or move it aside.
+    """
+    if checkpoint is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=checkpoint))
+    compile_cache.enable(cfg.run.compile_cache)
+    compile_cache.process_counter().start()
+    start_backend(cfg)  # before jax.process_index() starts the backend
+    cfg = preflight.check(
+        cfg,
+        mode=mode,
+        checkpoint=checkpoint,
+        resume=resume,
+        overwrite=overwrite and jax.process_index() == 0,
+    )
+    if jax.process_count() > 1:  # every process checked out_dir before process 0 writes to it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxrlvr-preflight")
+    if mode == "train":
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+    ctx, params = assemble(cfg, mode=mode, checkpoint=checkpoint)
+    run = OpenRun(cfg, ctx, params)
+    del params
+    try:
+        yield run
+    finally:
+        ctx.close()
 
 
 def start_backend(cfg: config_lib.TrainConfig) -> placement.Placement:
@@ -51,6 +135,7 @@ def assemble(
     (a run directory; None: the config's initial model) on the whole host, with the held-out
     or the training split only."""
     train = mode == "train"
+    preflight.check_sampler_devices(cfg.sampler, len(jax.devices()))
     devices = builders.device_split(cfg.sampler)[0] if train else None
     mesh = model_lib.make_mesh(cfg.mesh, devices)
     if train:
@@ -61,7 +146,7 @@ def assemble(
         model_cfg = builders.model_config(cfg.model, tokenizer)
     else:
         purpose = "evaluating" if mode == "eval" else "pairs: sampling from"
-        model = export.load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
+        model = load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
         model_cfg = model.config
     positions = model_cfg.max_position_embeddings
     preflight.check_expert_mesh(model_cfg, cfg.mesh.expert)
@@ -78,13 +163,24 @@ def assemble(
         model = builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
     graphdef, params = nnx.split(model, nnx.Param)
     if train:  # multi-process: this process keeps only the training rows of its data shards
+        preflight.check_data_shards(cfg, step_lib.process_row_block(mesh)[1])
         num_shards, owned = builders.data_shards(cfg, mesh)
         split = shards.split(train_problems, num_shards, cfg.run.seed)
         row_block = step_lib.process_row_block(mesh)
     else:
         num_shards, owned, split, row_block = 1, range(1), [train_problems], (0, 1)
-    teachers = load_teachers(cfg, mesh, tokenizer, model.config.vocab_size, train_problems)
-    grader = build_grader(cfg)
+    # The rollout passes (teacher scores, routing replay), loaded and checked before any compute.
+    run_passes = ()
+    if train:
+        run_passes = passes.build(
+            cfg,
+            model_cfg=model.config,
+            graphdef=graphdef,
+            mesh=mesh,
+            tokenizer=tokenizer,
+            problems=train_problems,
+        )
+    grader = builders.build_grader(cfg)
     try:
         sampler = builders.build_sampler(cfg.sampler, model, tokenizer, mesh, cfg.run.out_dir)
         wrappers = {c.sampler_wrapper: c for c in plan if c.sampler_wrapper}
@@ -109,9 +205,67 @@ def assemble(
         row_block=row_block,
         grader=grader,
         sampler=sampler,
-        teachers=teachers if train else None,
+        passes=run_passes,
     )
     return ctx, params
+
+
+def checkpoint_method(cfg: config_lib.TrainConfig, extra: dict) -> str:
+    """The registered method whose state a checkpoint holds: its ``method``; a checkpoint written
+    before phases recorded it names its record "sft" or "rl" (then ``rl.algo``'s)."""
+    if "method" in extra:
+        return extra["method"]
+    return registry.SFT if extra.get("record") == "sft" else cfg.rl.algo
+
+
+def restore_policy(
+    cfg: config_lib.TrainConfig, run_dir: str, mesh, tokenizer, *, step: int | None = None
+) -> tuple[int, model_lib.Qwen2ForCausalLM]:
+    """The policy of a run's checkpoint (default: the newest that restores), restored into an
+    abstract model: no Hugging Face weights are loaded, no data or graders are touched.
+
+    The architecture comes from the checkpoint (``model_config``), else from the run's config.
+    """
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
+
+    def target(s, extra):
+        if extra.get("model_config"):
+            m = cfg.model
+            model_cfg = model_lib.ModelConfig.from_hf_config(
+                extra["model_config"],
+                dtype=m.dtype,
+                param_dtype=m.param_dtype,
+                remat=m.remat,
+                scan_layers=m.scan_layers,
+                lora=m.lora,
+            )
+        else:
+            model_cfg = builders.model_config(cfg.model, tokenizer)
+        graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
+        algo = registry.build(checkpoint_method(cfg, extra), cfg, graphdef, params_shape, mesh)
+        target.graphdef = graphdef
+        return {"state": checkpoint_lib.abstract_state(algo, params_shape, mesh)[0]}
+
+    try:
+        restored = ckpt.restore_latest(target, step=step, log=prompts.log)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+    step, tree, _ = restored
+    return step, nnx.merge(target.graphdef, tree["state"].params)
+
+
+def load_policy(
+    cfg: config_lib.TrainConfig, run_dir: str | None, mesh, tokenizer, *, purpose: str
+) -> model_lib.Qwen2ForCausalLM:
+    """The config's initial model (``run_dir`` None), or the policy of a run's newest checkpoint
+    (``restore_policy``), logged as ``"{purpose} checkpoint step N of RUN_DIR"``."""
+    if run_dir is None:
+        return builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
+    step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
+    prompts.log(f"{purpose} checkpoint step {step} of {run_dir}")
+    return model
 
 
 def load_splits(
@@ -136,65 +290,3 @@ def load_splits(
         train_problems += [dataclasses.replace(p, domain=m.domain) for p in tr]
         eval_problems += [dataclasses.replace(p, domain=m.domain) for p in ev]
     return train_problems, eval_problems
-
-
-def build_grader(cfg: config_lib.TrainConfig) -> base.Grader:
-    """The run's ``Grader``: ``reward``'s verifier; for a ``data.mixture``, each problem graded
-    by its source's verifier (``verifiers.domain_reward_fn``) within the longest of the
-    sources' per-pair time bounds, on ``reward.num_workers`` workers."""
-    if not cfg.data.mixture:
-        return base.Grader(*builders.build_grader(cfg))
-    fns, timeout_s = {}, 0.0
-    for m in cfg.data.mixture:
-        r = m.reward
-        fns[m.domain] = builders.build_reward_fn(dataclasses.replace(cfg, reward=r))
-        bound = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
-        timeout_s = max(timeout_s, bound)
-    reward_fn = functools.partial(verifiers.domain_reward_fn, fns=fns)
-    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=timeout_s)
-    return base.Grader(reward_fn, pool, by_domain=True)
-
-
-def load_teachers(cfg: config_lib.TrainConfig, mesh, tokenizer, vocab_size: int, problems):
-    """On-policy distillation's ``TeacherRegistry`` (``rl.algo: distill``; None otherwise):
-    each distinct source of ``rl.distill`` loaded once (a folder on ``mesh``, or a vLLM URL),
-    then checked against the student (tokenizer, vocabulary) and ``problems``' domains, one
-    line per refusal (``teachers.TeacherError``), before any step compiles."""
-    if cfg.rl.algo != "distill":
-        return None
-    from jaxrlvr import teachers as teachers_lib
-
-    d = cfg.rl.distill
-    domains = [p.domain or "default" for p in problems]
-    if d.teacher is None:  # a domain without a teacher: refused before any teacher loads
-        for domain in dict.fromkeys(domains):
-            if domain not in d.sources:
-                raise teachers_lib.TeacherError(
-                    f"no teacher for domain {domain!r} (rl.distill.teachers: "
-                    f"{sorted(d.sources)}); add one or set rl.distill.teacher"
-                )
-    local = [s for s in d.sources.values() if not s.startswith(("http://", "https://"))]
-    if d.signal == "jsd" and local and jax.process_count() > 1:
-        raise teachers_lib.TeacherError(
-            f"rl.distill.signal=jsd with the local teacher {local[0]!r} in a multi-process job: "
-            "a local teacher's top-k is computed on device in one-process jobs only; serve it "
-            "with vLLM (an http:// teacher) or run one process"
-        )
-    loaded: dict[str, teachers_lib.Teacher] = {}
-    for source in dict.fromkeys(d.sources.values()):
-        kwargs = (
-            {}
-            if source.startswith(("http://", "https://"))
-            else {
-                "mesh": mesh,
-                "dtype": d.teacher_dtype,
-                "chunk_size": cfg.rl.logprob_chunk_size,
-            }
-        )
-        loaded[source] = teachers_lib.load_teacher(source, **kwargs)
-    registry = teachers_lib.TeacherRegistry(
-        {domain: loaded[src] for domain, src in d.sources.items()},
-        default="default" if d.teacher is not None else None,
-    )
-    registry.check(domains, student_vocab_size=vocab_size, student_tokenizer=tokenizer)
-    return registry

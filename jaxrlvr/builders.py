@@ -2,13 +2,15 @@
 weights, or only its shape), the data splits and their shards, the sampler (the embedded JAX
 sampler or supervised vLLM servers) and the grader (reward function + grading pool).
 ``assembly.assemble`` puts them together once for a run; nothing here trains or loops
-(``train``, ``phases``), and the checks of the config against the mesh, the data shards and the
-prompts are ``preflight``'s (the one module of checks).
+(``train``, ``phases``), and nothing here checks the config: ``assembly`` runs ``preflight``'s
+checks of the mesh, the devices, the data shards and the prompts before it calls these.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import functools
 import os
 import shutil
 
@@ -16,7 +18,7 @@ import jax
 from flax import nnx
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed, placement, preflight, prompts
+from jaxrlvr import configlib, distributed, placement, prompts, sandbox
 from jaxrlvr import model as model_lib
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import (
@@ -28,7 +30,7 @@ from jaxrlvr.data import (
     synthetic,
 )
 from jaxrlvr.data import tokenizer as tokenizer_lib
-from jaxrlvr.rewards import code, grading, language, sandbox, verifiers
+from jaxrlvr.rewards import code, grading, language, verifiers
 
 
 def build_tokenizer(model: config_lib.ModelSection):
@@ -167,6 +169,7 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
         )
     from jaxrlvr.sampling import vllm_sampler, vllm_server
 
+    vllm_sampler.check_servable(model.config)  # before any server starts
     plan = placement.plan(s)  # the same answer Trainer.__init__ applied (host GPUs recorded)
     if s.vllm_urls:
         shared = vllm_sampler.VLLMSampler(
@@ -200,7 +203,7 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
     servers = [
         vllm_server.VLLMServer(
             model_dir,
-            python=preflight.vllm_interpreter(s)[0],
+            python=s.vllm_python,
             host=s.vllm_host,
             allow_remote_dev_endpoints=s.vllm_allow_remote_dev_endpoints,
             max_model_len=min(s.vllm_max_model_len, model.config.max_position_embeddings),
@@ -236,11 +239,10 @@ def build_sampler(s: config_lib.SamplerSection, model, tokenizer, mesh, run_dir:
 def device_split(s: config_lib.SamplerSection) -> tuple[list | None, list | None]:
     """(the trainer's devices, the JAX sampler's devices): with ``sampler.jax_devices`` = S > 0
     (JAX sampler only) the last S devices of the host sample, the others train; else (None, None):
-    both use every device."""
+    both use every device. ``preflight.check_sampler_devices`` checked the trainer keeps one."""
     if s.kind != "jax" or s.jax_devices == 0:
         return None, None
     devices = jax.devices()
-    preflight.check_sampler_devices(s, len(devices))
     return devices[: -s.jax_devices], devices[-s.jax_devices :]
 
 
@@ -249,7 +251,7 @@ def data_shards(cfg: config_lib.TrainConfig, mesh) -> tuple[int, range]:
     default one per process row block (``step.process_row_block``), as
     ``preflight.check_data_shards`` checked it."""
     block, blocks = step_lib.process_row_block(mesh)
-    n = preflight.check_data_shards(cfg, blocks)
+    n = cfg.data.shards or blocks
     return n, shards.owned(n, block, blocks)
 
 
@@ -276,11 +278,23 @@ def build_reward_fn(cfg: config_lib.TrainConfig) -> verifiers.RewardFn:
     return language.with_language_reward(fn, r.language)
 
 
-def build_grader(cfg: config_lib.TrainConfig) -> tuple[verifiers.RewardFn, grading.GradingPool]:
-    """(``build_reward_fn``'s reward function, the grading pool that runs it time-bounded; a
-    code reward's per-call bound covers its tests' limits)."""
-    r = cfg.reward
-    reward_fn = build_reward_fn(cfg)
-    timeout_s = code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
-    pool = grading.GradingPool(num_workers=r.num_workers, timeout_s=timeout_s)
-    return reward_fn, pool
+def build_grader(cfg: config_lib.TrainConfig) -> grading.Grader:
+    """The run's ``Grader``: ``reward``'s verifier (``build_reward_fn``) in a grading pool that
+    runs it time-bounded (a code reward's per-call bound covers its tests' limits); for a
+    ``data.mixture``, each problem graded by its source's verifier
+    (``verifiers.domain_reward_fn``) within the longest of the sources' bounds, on
+    ``reward.num_workers`` workers."""
+    mixture = cfg.data.mixture
+    if mixture:
+        fns = {
+            m.domain: build_reward_fn(dataclasses.replace(cfg, reward=m.reward)) for m in mixture
+        }
+        reward_fn = functools.partial(verifiers.domain_reward_fn, fns=fns)
+    else:
+        reward_fn = build_reward_fn(cfg)
+    timeout_s = max(
+        code.grader_timeout_s(r.code, r.timeout_s) if r.fn == "code" else r.timeout_s
+        for r in ([m.reward for m in mixture] or [cfg.reward])
+    )
+    pool = grading.GradingPool(num_workers=cfg.reward.num_workers, timeout_s=timeout_s)
+    return grading.Grader(reward_fn, pool, by_domain=bool(mixture))

@@ -49,6 +49,7 @@ import orbax.checkpoint as ocp
 
 # The one checkpoint error (defined with the model's weight I/O, which raises it too); named here
 # as ``checkpoint.CheckpointError`` for the driver and the CLI.
+from jaxrlvr.model import sharding as sharding_lib
 from jaxrlvr.model.weights import CheckpointError
 
 _STATE = "state"
@@ -156,6 +157,15 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         return jax.tree_util.tree_map_with_path(lambda p, x: _abstract_leaf(p, x, shardings), tree)
     return jax.tree_util.tree_map_with_path(_abstract_leaf, tree, shardings)
+
+
+def abstract_state(algorithm: Any, params_shape: Any, mesh: Any, rng: int = 0) -> tuple[Any, Any]:
+    """(abstract state, its shardings) of a record's ``algorithm.init(params, rng)`` on
+    ``mesh``: what a checkpoint of that record restores into (every ``nnx.Variable`` sharded by
+    its logical axes, the rest replicated, as ``algos.step.state_shardings``)."""
+    shape = jax.eval_shape(lambda p: algorithm.init(p, rng), params_shape)
+    shardings = sharding_lib.logical_shardings(shape, mesh)
+    return abstract_like(shape, shardings), shardings
 
 
 def _abstract_leaf(path, leaf, sharding):

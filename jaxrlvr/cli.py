@@ -315,24 +315,24 @@ def check_export(run_dir: str, out_dir: str, *, step=None, overwrite=False) -> N
     import yaml
 
     from jaxrlvr import config as config_lib
-    from jaxrlvr import configlib, preflight
+    from jaxrlvr import configlib, preflight, rundir
 
-    preflight.check_checkpoint(run_dir, "export RUN_DIR", step)
+    rundir.check_checkpoint(run_dir, "export RUN_DIR", step)
     config_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config_path):
-        raise preflight.PreflightError(f"export RUN_DIR {run_dir}: no config.yaml in {run_dir}")
+        raise configlib.PreflightError(f"export RUN_DIR {run_dir}: no config.yaml in {run_dir}")
     with open(config_path) as f:
         cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
     preflight.check(cfg, mode="export", checkpoint=run_dir, step=step)
     if os.path.isdir(out_dir) and not overwrite:
         held = sorted(n for n in os.listdir(out_dir) if n.endswith((".safetensors", ".json")))
         if held:
-            raise preflight.PreflightError(
+            raise configlib.PreflightError(
                 f"export OUT_DIR {out_dir}: already holds a model ({', '.join(held[:4])}); pass "
                 "--overwrite to replace it"
             )
     elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise preflight.PreflightError(f"export OUT_DIR {out_dir}: is a file")
+        raise configlib.PreflightError(f"export OUT_DIR {out_dir}: is a file")
 
 
 def _cmd_plot(argv):

@@ -19,8 +19,7 @@ import os
 from typing import Literal
 
 from jaxrlvr import configlib
-from jaxrlvr.algos import loss_config
-from jaxrlvr.algos import ppo as ppo_lib
+from jaxrlvr.algos import loss_config, registry, routing
 from jaxrlvr.algos.optim import OptimizerConfig
 from jaxrlvr.data.multiplication import MultiplicationConfig
 from jaxrlvr.data.scratchpad import ScratchpadConfig
@@ -32,7 +31,7 @@ from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.sharding import MeshConfig
 from jaxrlvr.rewards.code import CodeRewardConfig
 from jaxrlvr.rewards.language import LanguageRewardConfig
-from jaxrlvr.rewards.sandbox import SandboxKind
+from jaxrlvr.sandbox.host import SandboxKind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -267,45 +266,13 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillSection:
-    """On-policy distillation (``rl.algo: distill``; ``algos.distill``, docs/distillation.md).
-
-    The per-token advantage on the student's sampled tokens is
-    -kl_coef * (log p_student - log p_teacher) + reward_coef * A_reward (GRPO's group advantage).
-    ``teacher``: the default teacher, a checkpoint / Hugging Face folder (a local JAX teacher,
-    loaded once on the run's mesh in ``teacher_dtype``) or a vLLM server URL (``http(s)://``);
-    ``teachers``: teachers by a problem's domain (domain -> folder or URL; problems without a
-    domain of their own are domain "default"). A problem whose domain has no teacher is refused
-    before any compute unless ``teacher`` is set.
-
-    ``signal``: "reverse_kl" (the advantage above) or "jsd": the generalised JSD (``beta`` 0
-    forward KL, 1 reverse KL; both distributions softmax(logits / ``temperature``)) over the
-    teacher's ``top_k`` most likely tokens at each position, renormalised
-    (``distill.generalized_jsd_topk``); kl_coef and reward_coef then do not apply.
-    """
-
-    kl_coef: float = 1.0
-    reward_coef: float = 0.0
-    teacher: str | None = None
-    teachers: dict[str, str] = dataclasses.field(default_factory=dict)
-    teacher_dtype: str = "float32"
-    signal: Literal["reverse_kl", "jsd"] = "reverse_kl"
-    beta: float = 1.0
-    temperature: float = 1.0
-    top_k: int = 32
-
-    @property
-    def sources(self) -> dict[str, str]:
-        """Domain -> teacher source, the default teacher under "default"."""
-        out = dict(self.teachers)
-        if self.teacher is not None:
-            out["default"] = self.teacher
-        return out
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLSection:
+class RLFields:
     """The RL phase: algorithm, batch shape, estimators and the field's data-side options.
+
+    ``algo``: a registered method (``algos.registry``: grpo, ppo, distill, expert_iteration, the
+    offline preference methods, ...) or "none" (an SFT-only run). Each method with a config
+    record of its own has it at ``rl.<method>`` (``rl.ppo``, ``rl.distill``, ...): ``RLSection``
+    is these fields plus one such field per registered record.
 
     ``packing``: several rollouts per row (segment ids, per-segment positions; exact: the same
     loss and gradient as one rollout per padded row), rows of ``max_tokens_per_row`` positions
@@ -350,16 +317,17 @@ class RLSection:
     ``routing_replay`` (MoE models; ``algos.routing``): "none" trains on the live top-k
     experts, "r3" replays the experts the sampler recorded for each rollout (the JaxSampler
     records them; a vLLM server must return them), "r2" the trainer's own experts of the batch
-    under the parameters before the step (fixed across its epochs). ``routing_metrics``: with
-    recorded routes, report the sampler-vs-trainer routing disagreement and the k3 gap with and
-    without replay every step (``routing/*``; two extra forwards per step).
+    under the parameters before the step (fixed across its epochs); on a dense model r3 / r2
+    are refused. ``routing_metrics`` (``passes.routing_replay``): "basic" reports the
+    sampler-vs-trainer routing disagreement from the update's own forward (no extra forward;
+    nothing under replay), "full" also the k3 gap of the trainer with and without replay every
+    ``routing_metrics_every`` steps (two extra forwards on those steps), "off" none
+    (``routing/*``).
     """
 
-    # "dpo" | "ipo" | "simpo" | "orpo": an offline preference phase on ``pref.data`` instead
-    # (``PrefSection``); it reads steps, microbatches, logprob_chunk_size here.
-    algo: Literal[
-        "grpo", "ppo", "expert_iteration", "distill", "dpo", "ipo", "simpo", "orpo", "none"
-    ] = "grpo"
+    # A method that trains on pairs (dpo, ipo, simpo, orpo) is an offline preference phase on
+    # ``pref.data`` instead (``PrefSection``); it reads steps, microbatches, logprob_chunk_size.
+    algo: str = "grpo"
     steps: int = 100
     prompts_per_step: int = 32
     group_size: int = 8
@@ -374,12 +342,6 @@ class RLSection:
     loss: loss_config.PolicyLossConfig = dataclasses.field(
         default_factory=loss_config.PolicyLossConfig
     )
-    # PPO's own settings; its policy loss is ``loss``. trunk "separate" trains a critic model of
-    # its own, copied from the policy when the RL phase starts, with the policy's optimiser
-    # settings.
-    ppo: ppo_lib.PPOConfig = dataclasses.field(default_factory=ppo_lib.PPOConfig)
-    # On-policy distillation's coefficients and teachers (``rl.algo: distill``).
-    distill: DistillSection = dataclasses.field(default_factory=DistillSection)
     drop_zero_variance_groups: bool = False
     difficulty_filter: bool = False
     difficulty_filter_k: int = 4
@@ -395,8 +357,9 @@ class RLSection:
     max_staleness: int = 0
     off_policy_correction: bool = True
     behaviour_logprobs: bool = True
-    routing_replay: Literal["none", "r3", "r2"] = "none"
-    routing_metrics: bool = True
+    routing_replay: routing.ReplayMode = "none"
+    routing_metrics: routing.MetricsMode = "basic"
+    routing_metrics_every: int = 1
 
     @property
     def rollouts_per_step(self) -> int:
@@ -404,14 +367,15 @@ class RLSection:
 
     @property
     def preference(self) -> bool:
-        """Whether ``algo`` is an offline preference method (trained on pairs from a file): the
-        one membership test of ``PREFERENCE_ALGOS``."""
-        return self.algo in PREFERENCE_ALGOS
+        """Whether ``algo`` is an offline preference method (trained on pairs from a file)."""
+        method = registry.rl_method(self.algo)
+        return method is not None and method.data == "pairs"
 
     @property
     def online(self) -> bool:
-        """Whether ``algo`` samples and grades rollouts (grpo, ppo, expert_iteration)."""
-        return self.algo != "none" and not self.preference
+        """Whether ``algo`` samples and grades rollouts (its registration's ``data``)."""
+        method = registry.rl_method(self.algo)
+        return method is not None and method.data == "rollouts"
 
     @property
     def policy_loss(self) -> loss_config.PolicyLossConfig:
@@ -424,7 +388,22 @@ class RLSection:
         return self.loss
 
 
-PREFERENCE_ALGOS = ("dpo", "ipo", "simpo", "orpo")
+# The RL section: ``RLFields`` and, for each registered method with a config record of its own,
+# a field ``rl.<method>`` of that record (PPO's ``PPOConfig``, distillation's ``DistillConfig``):
+# YAML builds the method's record directly, and a new method adds its section by registering.
+RLSection = dataclasses.make_dataclass(
+    "RLSection",
+    [
+        (name, record, dataclasses.field(default_factory=record))
+        for name, record in registry.sections().items()
+    ],
+    bases=(RLFields,),
+    frozen=True,
+    kw_only=True,
+)
+RLSection.__module__ = __name__
+RLSection.__doc__ = RLFields.__doc__
+
 # data.train values that name a generated task instead of a file or hub dataset.
 GENERATED_TASKS = ("synthetic", "scratchpad", "synthetic_code")
 
@@ -645,25 +624,18 @@ def check_sampler_section(s: SamplerSection) -> None:
             )
 
 
-def check_distill_section(d: DistillSection) -> None:
-    if not d.kl_coef >= 0 or not d.reward_coef >= 0:
-        raise ValueError(f"kl_coef={d.kl_coef!r} and reward_coef={d.reward_coef!r} must be >= 0")
-    if not (isinstance(d.top_k, int) and d.top_k >= 1):
-        raise ValueError(f"top_k={d.top_k!r}: expected an int >= 1")
-    if not 0 <= d.beta <= 1 or not d.temperature > 0:
-        raise ValueError(f"beta={d.beta!r} must be in [0, 1] and temperature={d.temperature!r} > 0")
-
-
 def check_rl_section(rl: RLSection) -> None:
+    method = registry.rl_method(rl.algo)  # a registered method, or the one-line error
     for key in ("steps", "prompts_per_step", "group_size", "epochs_per_step", "microbatches"):
         if getattr(rl, key) < (0 if key == "steps" else 1):
             raise ValueError(f"{key}={getattr(rl, key)!r} must be positive")
     if not (isinstance(rl.max_staleness, int) and rl.max_staleness >= 0):
         raise ValueError(f"rl.max_staleness={rl.max_staleness!r}: expected an int >= 0")
-    if rl.max_staleness > 0 and rl.algo not in ("grpo", "ppo", "expert_iteration", "distill"):
+    if rl.max_staleness > 0 and rl.algo not in registry.asynchronous():
         raise ValueError(
-            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts need an online "
-            f"algorithm (grpo, ppo, expert_iteration), not rl.algo={rl.algo!r}"
+            f"rl.max_staleness={rl.max_staleness}: asynchronous rollouts need a method that "
+            f"trains on stale rollouts ({', '.join(registry.asynchronous())}), not "
+            f"rl.algo={rl.algo!r}"
         )
     corr = rl.loss.correction
     if (
@@ -677,8 +649,11 @@ def check_rl_section(rl: RLSection) -> None:
             f"{rl.max_staleness} needs rl.behaviour_logprobs=true (the log-probs of the "
             "version that sampled), or source 'both'"
         )
-    if rl.routing_replay not in ("none", "r3", "r2"):
-        raise ValueError(f"rl.routing_replay={rl.routing_replay!r}: expected one of none, r3, r2")
+    routing.check_mode(rl.routing_replay)
+    routing.check_mode(rl.routing_metrics, "rl.routing_metrics", routing.MetricsMode)
+    every = rl.routing_metrics_every
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"rl.routing_metrics_every={every!r}: expected an int >= 1")
     if rl.max_tokens_per_row is not None and rl.max_tokens_per_row < 1:
         raise ValueError(f"rl.max_tokens_per_row={rl.max_tokens_per_row!r} must be >= 1")
     budget = rl.max_tokens_per_microbatch
@@ -701,13 +676,8 @@ def check_rl_section(rl: RLSection) -> None:
                 f"{key} is less than one row of rl.max_tokens_per_row="
                 f"{rl.max_tokens_per_row} positions"
             )
-    if rl.algo == "distill" and not rl.distill.sources:
-        raise ValueError(
-            "rl.algo=distill needs a teacher: rl.distill.teacher (a folder or a vLLM URL) "
-            "or rl.distill.teachers (domain -> folder or URL)"
-        )
-    if rl.algo == "grpo" and rl.group_size < 2:
-        raise ValueError(f"group_size={rl.group_size}: GRPO needs at least 2 samples per prompt")
+    if method is not None and method.check is not None:
+        method.check(rl)  # the method's own checks of the section (its registration's)
 
 
 def check_pref_section(p: PrefSection) -> None:
@@ -746,7 +716,6 @@ SECTION_CHECKS = (
     ("data", check_data_section),
     ("reward", check_reward_section),
     ("sampler", check_sampler_section),
-    ("rl.distill", check_distill_section),
     ("rl", check_rl_section),
     ("pref", check_pref_section),
     ("checkpoint", check_checkpoint_section),

@@ -23,6 +23,11 @@ class ConfigKeyError(ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
 
 
+class PreflightError(ValueError):
+    """A command's input (a path, a server, the run directory) is missing or unusable; the
+    message is one line naming the key or flag (``preflight``, ``hub``, ``rundir``)."""
+
+
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:

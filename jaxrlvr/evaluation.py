@@ -5,8 +5,8 @@ would be: the first ``eval.max_problems`` of each domain's held-out problems, wi
 ``eval/<domain>/accuracy`` beside the pooled metrics.
 
 ``evaluate`` is what the training loop's evaluation hook runs (on the run's live sampler);
-``evaluate_only`` (``jaxrlvr eval``) assembles the run for a run's newest checkpoint or for the
-config's initial model (``assembly.assemble``, mode "eval") and does the same.
+``evaluate_only`` (``jaxrlvr eval``) opens the run for a run's newest checkpoint or for the
+config's initial model (``assembly.open_run``, mode "eval") and does the same.
 
 With ``eval.pass_k`` / ``eval.maj_k`` the metrics also hold the unbiased ``eval/pass@k`` and the
 majority vote ``eval/maj@k`` (``jaxrlvr.passk``; votes by ``rewards.votes.vote_key``), each with
@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from jaxrlvr import assembly, compile_cache, distributed, passk, preflight, prompts
+from jaxrlvr import assembly, distributed, passk
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import loading
@@ -100,23 +100,18 @@ def evaluate_detailed(
         first = len(problems) * block[0] // block[1]
         problems = problems[first : len(problems) * (block[0] + 1) // block[1]]
     n = eval_cfg.samples_per_problem
-    prompt_ids = ctx.encode_prompts(problems)
-    # vLLM seeds prompt i with seed + i: offset by the share's first prompt (the JAX sampler
-    # runs one program over all processes' rows, with one seed).
-    offset = first if sampler_cfg.kind != "jax" else 0
-    params = prompts.sampling_params(
-        sampler_cfg, ctx.tokenizer, eval_mode=True, seed=seed + 7919 + offset
-    )
-    completions = _generate(
-        ctx,
-        prompt_ids,
+    _, completions, scores, _ = ctx.sample_and_grade(
+        problems,
         n,
-        params,
-        chunk=chunk,
-        progress=progress and block[0] == 0,
+        sampler_cfg,
+        seed=seed + 7919,
+        first=first,
+        eval_mode=True,
+        generate=lambda _problems, prompt_ids, n_, params: _generate(
+            ctx, prompt_ids, n_, params, chunk=chunk, progress=progress and block[0] == 0
+        ),
     )
     texts = [c.text for c in completions]
-    scores, _ = ctx.grader.grade(problems, texts, n)
     lengths = [len(c.token_ids) for c in completions]
     names = reward_names or {}
     votes = [
@@ -252,23 +247,15 @@ def evaluate_only_detailed(
 ) -> tuple[dict[str, float], list[dict]]:
     """``evaluate_only`` with ``evaluate_detailed``'s rows per problem (``jaxrlvr eval``);
     ``problems`` (a benchmark's, ``data.benchmarks``) replace the config's held-out problems."""
-    if run_dir is not None:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
-    cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
-    assembly.start_backend(cfg)  # vLLM's GPUs stay free
-    ctx, _ = assembly.assemble(cfg, mode="eval", checkpoint=run_dir)
-    if problems is not None:
-        ctx.eval_problems = problems
-    try:
+    with assembly.open_run(cfg, mode="eval", checkpoint=run_dir) as run:
+        if problems is not None:
+            run.ctx.eval_problems = problems
         return evaluate_detailed(
-            ctx,
-            cfg.eval,
-            cfg.sampler,
-            seed=cfg.run.seed,
-            reward_names=reward_names(cfg),
+            run.ctx,
+            run.cfg.eval,
+            run.cfg.sampler,
+            seed=run.cfg.run.seed,
+            reward_names=reward_names(run.cfg),
             chunk=chunk,
             progress=progress,
         )
-    finally:
-        ctx.close()

@@ -1,5 +1,6 @@
-"""A run's policy from its checkpoints: ``restore_policy`` (for eval, export and pairs) and
-``export_checkpoint`` (``jaxrlvr export``: a Hugging Face folder).
+"""``jaxrlvr export``: a run's checkpointed policy as a Hugging Face folder
+(``export_checkpoint``; the policy restored by ``assembly.restore_policy``, as eval and pairs
+restore theirs).
 
 Only the run directory is read (its checkpoints, config.yaml and the tokenizer): no data, graders
 or Hugging Face weights are loaded.
@@ -14,65 +15,13 @@ import os
 import yaml
 from flax import nnx
 
-from jaxrlvr import builders, configlib, methods, prompts
-from jaxrlvr import checkpoint as checkpoint_lib
+from jaxrlvr import assembly, builders, configlib
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr.model import peft
 
-log = prompts.log
 # Where ``export_checkpoint`` writes a LoRA run's adapters (PEFT layout) inside OUT_DIR.
 ADAPTER_SUBDIR = "adapter"
-
-
-def restore_policy(
-    cfg: config_lib.TrainConfig, run_dir: str, mesh, tokenizer, *, step: int | None = None
-) -> tuple[int, model_lib.Qwen2ForCausalLM]:
-    """The policy of a run's checkpoint (default: the newest that restores), restored into an
-    abstract model: no Hugging Face weights are loaded, no data or graders are touched.
-
-    The architecture comes from the checkpoint (``model_config``), else from the run's config.
-    """
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(run_dir, "checkpoints"))
-
-    def target(s, extra):
-        if extra.get("model_config"):
-            m = cfg.model
-            model_cfg = model_lib.ModelConfig.from_hf_config(
-                extra["model_config"],
-                dtype=m.dtype,
-                param_dtype=m.param_dtype,
-                remat=m.remat,
-                scan_layers=m.scan_layers,
-                lora=m.lora,
-            )
-        else:
-            model_cfg = builders.model_config(cfg.model, tokenizer)
-        graphdef, params_shape = builders.abstract_model(model_cfg, mesh)
-        algo = methods.make_algorithm(cfg, extra["record"], graphdef, params_shape, mesh)
-        target.graphdef = graphdef
-        return {"state": methods.abstract_state(algo, params_shape, mesh)[0]}
-
-    try:
-        restored = ckpt.restore_latest(target, step=step, log=log)
-    finally:
-        ckpt.close()
-    if restored is None:
-        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {ckpt.directory}")
-    step, tree, _ = restored
-    return step, nnx.merge(target.graphdef, tree["state"].params)
-
-
-def load_policy(
-    cfg: config_lib.TrainConfig, run_dir: str | None, mesh, tokenizer, *, purpose: str
-) -> model_lib.Qwen2ForCausalLM:
-    """The config's initial model (``run_dir`` None), or the policy of a run's newest checkpoint
-    (``restore_policy``), logged as ``"{purpose} checkpoint step N of RUN_DIR"``."""
-    if run_dir is None:
-        return builders.build_model(cfg.model, tokenizer, mesh, seed=cfg.run.seed)
-    step, model = restore_policy(cfg, run_dir, mesh, tokenizer)
-    log(f"{purpose} checkpoint step {step} of {run_dir}")
-    return model
 
 
 def _single_host_mesh():
@@ -91,7 +40,7 @@ def export_checkpoint(run_dir: str, out_dir: str, *, step: int | None = None) ->
         cfg = configlib.build(config_lib.TrainConfig, yaml.safe_load(f))
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
     tokenizer = builders.build_tokenizer(cfg.model)
-    step, model = restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
+    step, model = assembly.restore_policy(cfg, run_dir, _single_host_mesh(), tokenizer, step=step)
     model_lib.save_hf(model, out_dir, tokenizer_src=tokenizer)  # merged when it has adapters
     record = {"run_dir": os.path.abspath(run_dir), "step": step}
     if model.config.lora is not None:

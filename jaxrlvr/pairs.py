@@ -1,12 +1,13 @@
 """Preference pairs from verifiable rewards: ``jaxrlvr pairs``.
 
 Samples ``k`` completions per training problem from a run's checkpoint (or the config's initial
-model), grades them with the run's verifier in the grading pool, and writes, for every problem
-with at least one correct and one incorrect completion, up to ``pairs_per_problem``
-(correct, incorrect) pairs as jsonl rows ``{"prompt", "chosen", "rejected", "id"}``: the prompt
-is the rendered prompt text the policy sees, the responses the completions' texts (the
-preference phase appends EOS to each, as SFT does). This is the offline counterpart of GRPO on
-the same samples: ``rl.algo: dpo`` with ``pref.data`` set to the file trains on it.
+model; the run opened as train and eval open theirs: ``assembly.open_run``), grades them with the
+run's verifier in the grading pool, and writes, for every problem with at least one correct and one
+incorrect completion, up to ``pairs_per_problem`` (correct, incorrect) pairs as jsonl rows
+``{"prompt", "chosen", "rejected", "id"}``: the prompt is the rendered prompt text the policy sees,
+the responses the completions' texts (the preference phase appends EOS to each, as SFT does). This
+is the offline counterpart of GRPO on the same samples: ``rl.algo: dpo`` with ``pref.data`` set to
+the file trains on it.
 
 Not here: the preference losses (``algos.preference``) and the training phase (``train``).
 """
@@ -19,7 +20,7 @@ import os
 
 import numpy as np
 
-from jaxrlvr import assembly, preflight, prompts
+from jaxrlvr import assembly
 from jaxrlvr import config as config_lib
 
 
@@ -68,20 +69,14 @@ def build_pairs(
 ) -> dict[str, float]:
     """Samples, grades and writes the pairs file; returns counts (problems, completions, pairs,
     accuracy of the samples, fraction of problems with a pair)."""
-    if run_dir is not None:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir))
-    cfg = preflight.check(cfg, mode="eval", checkpoint=run_dir)
-    ctx, _ = assembly.assemble(cfg, mode="pairs", checkpoint=run_dir)
-    problems = ctx.train_problems[: pairs_cfg.max_problems]
     k = pairs_cfg.k
-    try:
+    with assembly.open_run(cfg, mode="pairs", checkpoint=run_dir) as run:
+        ctx = run.ctx
+        problems = ctx.train_problems[: pairs_cfg.max_problems]
         texts = [ctx.render(p) for p in problems]
-        prompt_ids = [prompts.encode(ctx.tokenizer, t) for t in texts]
-        params = prompts.sampling_params(cfg.sampler, ctx.tokenizer, seed=pairs_cfg.seed)
-        completions = ctx.sampler.generate(prompt_ids, k, params)
-        scores, _ = ctx.grader.grade(problems, [c.text for c in completions], k)
-    finally:
-        ctx.close()
+        _, completions, scores, _ = ctx.sample_and_grade(
+            problems, k, run.cfg.sampler, seed=pairs_cfg.seed
+        )
     correct = np.asarray([s["answer_reward"] >= 1.0 for s in scores])
     rows = make_pairs(
         texts,

@@ -28,7 +28,7 @@ Left out: sampling itself (``sampling/``), the loss math (``algos/``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -497,30 +497,6 @@ def completion_values(
     return out
 
 
-def teacher_fields(
-    packed: PackedBatch,
-    completions: Sequence[Sequence[int]],
-    topk: Sequence[tuple[np.ndarray, np.ndarray]] | None,
-    domain_ids: Sequence[int] | None,
-) -> dict[str, np.ndarray]:
-    """On-policy distillation's per-token fields of ``shape`` (``teacher_topk_ids``,
-    ``teacher_topk_logp``, ``domain_ids``) laid out by ``completion_values``; none given: {}."""
-    out = {}
-    if topk is not None:
-        out["teacher_topk_ids"] = completion_values(
-            packed, completions, [ids for ids, _ in topk], np.int32
-        )
-        out["teacher_topk_logp"] = completion_values(packed, completions, [lp for _, lp in topk])
-    if domain_ids is not None:
-        out["domain_ids"] = completion_values(
-            packed,
-            completions,
-            [np.full(len(c), d) for c, d in zip(completions, domain_ids)],
-            np.int32,
-        )
-    return out
-
-
 def to_batch(packed: PackedBatch, **fields: np.ndarray | None) -> batch_lib.Batch:
     """A host ``Batch`` (NumPy) from packed rows plus per-sequence [N] / per-token ``fields``
     (in the packed layout, [N] fields are spread over their sequences' tokens)."""
@@ -574,9 +550,7 @@ def shape(
     *,
     pad_id: int,
     max_length: int | None = None,
-    teacher_logps: Sequence[Sequence[float]] | None = None,
-    teacher_topk: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
-    domain_ids: Sequence[int] | None = None,
+    fields: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> tuple[batch_lib.Batch, dict[str, float]]:
     """One step's rollouts as a host ``Batch`` with every rollout field an algorithm may read
     (``advantages``, ``rewards`` (shaped), ``correct``, ``sampler_logp``), and their metrics.
@@ -585,13 +559,9 @@ def shape(
       prompts: P prompts' token ids; completions: P x G completions, prompt-major;
       scores: the verifier's dict per completion (``reward``, ``answer_reward``,
         ``format_reward``).
-      teacher_logps: per completion token, a teacher's log-prob (on-policy distillation):
-        ``teacher_logp``, laid out like ``sampler_logp`` (``completion_values``).
-      teacher_topk: per completion, a teacher's (ids [L, K], log-probs [L, K]) of its K most
-        likely tokens at each completion token: ``teacher_topk_ids`` / ``teacher_topk_logp``
-        [B, T, K], laid out the same way.
-      domain_ids: per completion, its problem's domain index (``TeacherRegistry.index``):
-        ``domain_ids`` [B, T] at its label positions.
+      fields: a rollout pass's per-token fields (``passes``): Batch field name -> per
+        completion an array [L] or [L, K] (L its tokens), laid out like ``sampler_logp``
+        (``completion_values``) as int32 when integer, else float32.
     """
     g = cfg.group_size
     raw = np.asarray([s["reward"] for s in scores], np.float32)
@@ -633,12 +603,15 @@ def shape(
         correct=correct,
         sampler_logp=packed.sampler_logp,
         routes=packed.routes,
-        teacher_logp=(
-            None
-            if teacher_logps is None
-            else completion_values(packed, [c.token_ids for c in completions], teacher_logps)
-        ),
-        **teacher_fields(packed, [c.token_ids for c in completions], teacher_topk, domain_ids),
+        **{
+            name: completion_values(
+                packed,
+                [c.token_ids for c in completions],
+                values,
+                np.int32 if values and np.asarray(values[0]).dtype.kind in "iu" else np.float32,
+            )
+            for name, values in (fields or {}).items()
+        },
     )
     metrics.update(
         {

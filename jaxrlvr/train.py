@@ -21,7 +21,7 @@ preemption) stops the loop at a step boundary that every process agrees on
 (``interrupt.GracefulStop.should_stop``), saves that step and ends the run cleanly.
 
 The builders (tokenizer, model, data, samplers, graders) are ``builders``; evaluation is
-``evaluation``; restoring a policy for eval / export is ``export``.
+``evaluation``; restoring a policy for eval, pairs and export is ``assembly``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from jaxrlvr import (
     evaluation,
     interrupt,
     phases,
-    preflight,
     prompts,
 )
 from jaxrlvr import checkpoint as checkpoint_lib
@@ -84,15 +83,26 @@ class LoopState:
 class Trainer:
     """The run's context, phases and hooks; ``run()`` is the loop.
 
-    The run is assembled here once (``assembly.assemble``); the process's placement and
-    ``jax.distributed`` are set up before, once (``assembly.start_backend``, from ``run``).
+    ``run``: the run ``assembly.open_run`` opened (``train.run``), which closes its context;
+    None: the run is assembled here (``assembly.assemble``: no compile cache, backend start or
+    preflight, as tests build it) and ``close`` closes it.
     """
 
-    def __init__(self, cfg: config_lib.TrainConfig, *, resume: bool = False):
+    def __init__(
+        self,
+        cfg: config_lib.TrainConfig,
+        *,
+        resume: bool = False,
+        run: assembly.OpenRun | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        self.ctx, params = assembly.assemble(cfg, mode="train")
+        self._owns_ctx = run is None
+        if run is None:
+            self.ctx, params = assembly.assemble(cfg, mode="train")
+        else:
+            self.ctx, params = run.ctx, run.take_params()
         self.phases = [cls(self.ctx, cfg) for cls in phases.plan(cfg)]
         self.loop = LoopState(phase=self.phases[0].name)
         self.ckpt = checkpoint_lib.Checkpointer(
@@ -104,7 +114,8 @@ class Trainer:
             try:
                 self._restore()
             except BaseException:
-                self.ctx.close()  # the sampler and the grading pool; nothing else has started
+                if self._owns_ctx:  # the sampler and the grading pool; nothing else has started
+                    self.ctx.close()
                 raise
         elif jax.process_index() == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
@@ -195,7 +206,9 @@ class Trainer:
         extra = {
             # NaN metrics (e.g. the correct responses' mean length when none is correct) as null.
             "loop": _nan_to_none(dataclasses.asdict(self.loop)),
-            "record": phase.algorithm_phase,
+            # The phase and its method (``algos.registry``): what ``export`` / ``eval`` rebuild.
+            "phase": phase.name,
+            "method": phase.method(phase.cfg),
             "config": config_lib.config_to_dict(self.cfg),
             "model_config": self.ctx.model_cfg.to_hf_config(),
         }
@@ -320,7 +333,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        closers = [p.close for p in self.phases] + [self.ctx.close]
+        closers = [p.close for p in self.phases] + ([self.ctx.close] if self._owns_ctx else [])
         if self.metrics is not None:
             closers.append(self.metrics.close)
         for close in closers:
@@ -336,22 +349,13 @@ def run(
     Everything the run will read is checked first (``preflight``): an ``out_dir`` that already
     holds a run is refused unless ``resume`` (continue it) or ``overwrite`` (move it aside).
     """
-    compile_cache.enable(cfg.run.compile_cache)  # before anything is compiled
-    compile_cache.process_counter().start()
-    # Placement and jax.distributed, once: before jax.process_index() starts the backend.
-    assembly.start_backend(cfg)
-    cfg = preflight.check(
-        cfg, mode="train", resume=resume, overwrite=overwrite and jax.process_index() == 0
-    )
-    if jax.process_count() > 1:  # every process checked out_dir before process 0 writes to it
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("jaxrlvr-preflight")
-    trainer = Trainer(cfg, resume=resume)
-    try:
-        summary = trainer.run()
-    finally:
-        trainer.close()
+    with assembly.open_run(cfg, mode="train", resume=resume, overwrite=overwrite) as opened:
+        cfg = opened.cfg
+        trainer = Trainer(cfg, resume=resume, run=opened)
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
     distributed.finish()  # a clean end: the other processes do not report this one as lost
     if "interrupted" in summary:
         return summary
@@ -360,10 +364,9 @@ def run(
         from jaxrlvr import plots
 
         plots.plot_runs([cfg.run.out_dir], plots_dir)
-    before, after = summary["eval_accuracy_after_sft"], summary["eval_accuracy_final"]
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
-    print(f"held-out accuracy after SFT warm start: {fmt(before)}")
-    print(f"held-out accuracy after {cfg.rl.algo.upper()}: {fmt(after)}")
+    for phase in trainer.phases:  # each phase's own lines (``Phase.report``)
+        for line in phase.report(summary):
+            print(line)
     print(f"metrics: {os.path.join(cfg.run.out_dir, 'metrics.jsonl')}")
     print(f"plots: {plots_dir}")
     print(f"checkpoints: {summary['checkpoints']}")

@@ -17,7 +17,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxrlvr import builders, export, rollout
+from jaxrlvr import assembly, builders, rollout
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
 from jaxrlvr import prompts as prompt_lib
@@ -66,7 +66,7 @@ def main(warm: str, pairs_path: str, runs: list[str]) -> None:
     print(f"warm start: exact accuracy {w_acc:.4f}; chosen {mean(wc):.3f}, rejected {mean(wr):.3f}")
     for run in runs:
         run_cfg = config_lib.load_config(f"{run}/config.yaml", [])
-        acc, c, r = measure(export.restore_policy(run_cfg, run, mesh, tok)[1])
+        acc, c, r = measure(assembly.restore_policy(run_cfg, run, mesh, tok)[1])
         dc = np.mean([parts(p, c[i]) - parts(p, wc[i]) for i, p in enumerate(pairs)], 0)
         dr = np.mean([parts(p, r[i]) - parts(p, wr[i]) for i, p in enumerate(pairs)], 0)
         print(

@@ -12,14 +12,13 @@ pairs; this writes single completions instead. Prints the counts as one json lin
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 import numpy as np
 
-from jaxrlvr import assembly, preflight, prompts
+from jaxrlvr import assembly
 from jaxrlvr import config as config_lib
 
 
@@ -36,18 +35,13 @@ def main(argv=None) -> int:
     if args.k < 1:
         raise SystemExit(f"--k {args.k}: at least one completion per problem")
     cfg = config_lib.load_config(args.config, args.overrides)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.run_dir))
-    cfg = preflight.check(cfg, mode="eval", checkpoint=args.run_dir)
-    ctx, _ = assembly.assemble(cfg, mode="pairs", checkpoint=args.run_dir)
-    try:
+    with assembly.open_run(cfg, mode="pairs", checkpoint=args.run_dir) as run:
+        ctx = run.ctx
         problems = ctx.train_problems
         texts = [ctx.render(prob) for prob in problems]
-        prompt_ids = [prompts.encode(ctx.tokenizer, t) for t in texts]
-        params = prompts.sampling_params(cfg.sampler, ctx.tokenizer, seed=args.seed)
-        completions = ctx.sampler.generate(prompt_ids, args.k, params)
-        scores, _ = ctx.grader.grade(problems, [c.text for c in completions], args.k)
-    finally:
-        ctx.close()
+        _, completions, scores, _ = ctx.sample_and_grade(
+            problems, args.k, run.cfg.sampler, seed=args.seed
+        )
     correct = np.asarray([s["answer_reward"] >= 1.0 for s in scores])
     rows = []
     for i, (comp, ok) in enumerate(zip(completions, correct, strict=True)):

@@ -211,7 +211,7 @@ def test_resume_with_another_model_or_method_names_the_keys(capsys, tmp_path):
 
 
 def test_resume_reports_harmless_config_changes(tmp_path, capsys):
-    from jaxrlvr import preflight
+    from jaxrlvr import preflight, rundir
 
     run = _saved_run(tmp_path, "rl.steps=5", "eval.every=5")
     cfg = config_lib.load_config(
@@ -220,7 +220,7 @@ def test_resume_reports_harmless_config_changes(tmp_path, capsys):
     old_lr = config_lib.load_config(DEMO).optim.learning_rate
     assert old_lr != 3e-5
     assert preflight.check(cfg, resume=True) is cfg
-    assert preflight.check_resume_config(cfg) == [
+    assert rundir.check_resume_config(cfg) == [
         ("eval.every", 5, 3),
         ("optim.learning_rate", old_lr, 3e-5),
         ("rl.steps", 5, 9),

@@ -216,7 +216,7 @@ def test_an_async_lora_student_and_tool_trajectories_distil(tmp_path, folders):
 
 
 def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
-    from jaxrlvr import assembly, builders, preflight, teachers
+    from jaxrlvr import builders, configlib, preflight, teachers
     from jaxrlvr import config as config_lib
     from jaxrlvr import model as model_lib
 
@@ -226,14 +226,14 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
         )
 
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(preflight.PreflightError, match=r"^rl\.distill\.teacher=.*nowhere") as e:
+    with pytest.raises(configlib.PreflightError, match=r"^rl\.distill\.teacher=.*nowhere") as e:
         preflight.check_teachers(config(f"rl.distill.teacher={missing}"))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="needs a teacher"):
         config("rl.distill.teacher=null")
     # A mixture's domain without a teacher: refused from the config alone.
     only_code = f"rl.distill.teachers={{code: {folders['plain']}}}"
-    with pytest.raises(preflight.PreflightError, match=r"^data\.mixture: domain 'arith' has no"):
+    with pytest.raises(configlib.PreflightError, match=r"^data\.mixture: domain 'arith' has no"):
         preflight.check_teachers(config("rl.distill.teacher=null", MIXTURE, only_code))
     # Teachers by domain, none for the synthetic problems' (no domain: "default") and no default.
     cfg = config("rl.distill.teacher=null", f"rl.distill.teachers={{math: {folders['plain']}}}")
@@ -241,14 +241,21 @@ def test_missing_teacher_and_domain_refused_in_one_line(tmp_path, folders):
     mesh = model_lib.make_mesh(cfg.mesh, jax.devices()[:1])
     problems, _ = builders.load_splits(cfg, train=True)
     with pytest.raises(teachers.TeacherError, match=r"no teacher for domain 'default'") as e:
-        assembly.load_teachers(cfg, mesh, tokenizer, tokenizer.vocab_size, problems)
+        teachers.load_registry(
+            cfg.rl.distill,
+            domains=[p.domain or "default" for p in problems],
+            student_vocab_size=tokenizer.vocab_size,
+            student_tokenizer=tokenizer,
+            mesh=mesh,
+        )
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompts"])
 def test_teacher_logps_laid_out_like_sampler_logps(layout):
-    """``rollout.shape(teacher_logps=...)``: the same values as ``sampler_logp`` when the
-    teacher's log-probs are the sampler's, in every layout (forced tokens included)."""
+    """``rollout.shape(fields=...)`` (a rollout pass's per-token fields): the same values as
+    ``sampler_logp`` when the teacher's log-probs are the sampler's, in every layout (forced
+    tokens included)."""
     import numpy as np
 
     from jaxrlvr import rollout
@@ -276,7 +283,7 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
         scores,
         cfg,
         pad_id=0,
-        teacher_logps=[np.asarray(c.logprobs, np.float32) for c in completions],
+        fields={"teacher_logp": [np.asarray(c.logprobs, np.float32) for c in completions]},
     )
     np.testing.assert_array_equal(batch.teacher_logp, batch.sampler_logp)
     assert np.count_nonzero(batch.teacher_logp) == sum(lengths)
@@ -285,9 +292,12 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
         (np.stack([c.token_ids, [1] * len(c.token_ids)], 1), np.stack([c.logprobs] * 2, 1))
         for c in completions
     ]
-    batch, _ = rollout.shape(
-        prompts, completions, scores, cfg, pad_id=0, teacher_topk=topk, domain_ids=[1, 2] * 3
-    )
+    fields = {
+        "teacher_topk_ids": [ids for ids, _ in topk],
+        "teacher_topk_logp": [lp for _, lp in topk],
+        "domain_ids": [np.full(len(c.token_ids), 1 + i % 2) for i, c in enumerate(completions)],
+    }
+    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, fields=fields)
     want = (*batch.input_ids.shape, 2)
     assert batch.teacher_topk_ids.shape == batch.teacher_topk_logp.shape == want
     assert batch.teacher_topk_ids.dtype == batch.domain_ids.dtype == np.int32
@@ -297,11 +307,13 @@ def test_teacher_logps_laid_out_like_sampler_logps(layout):
     assert np.count_nonzero(batch.domain_ids == 2) == sum(lengths[1::2])
     assert np.count_nonzero(batch.domain_ids == 1) == sum(lengths[0::2])
     with pytest.raises(ValueError, match="completion 0: 2 values for 3 tokens"):
-        rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=[[0.0, 0.0]] * 6)
+        rollout.shape(
+            prompts, completions, scores, cfg, pad_id=0, fields={"teacher_logp": [[0.0, 0.0]] * 6}
+        )
 
 
 def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
-    from jaxrlvr import assembly
+    from jaxrlvr import assembly, builders
     from jaxrlvr import config as config_lib
     from jaxrlvr.data import templates
 
@@ -312,7 +324,7 @@ def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
     arith, code = train[0], train[-1]
     gold = {m.domain: m.data.gold_format for m in cfg.data.mixture}
     texts = [templates.render_gold(gold[p.domain], p.answer, p.solution) for p in (arith, code)]
-    grader = assembly.build_grader(cfg)
+    grader = builders.build_grader(cfg)
     try:
         # Each gold answer passes its own verifier; swapped, neither does (the arithmetic
         # verifier reads no integer from a function body; the code one runs "12" as a body).
@@ -326,9 +338,9 @@ def test_mixture_problems_carry_their_domain_and_are_graded_by_its_reward():
 
 @pytest.mark.slow
 def test_several_local_teachers_score_each_token_by_its_domain(folders):
-    """``teachers.device_scores`` (``Learner.prepare``'s pass): in packed rows with shared
-    prompts, each completion's tokens take its own domain's teacher's log-probs, equal to that
-    teacher's host scores of the completion (1e-5), and its top-k."""
+    """``teachers.device_scores`` (``passes.teacher_scores``' device part): in packed rows
+    with shared prompts, each completion's tokens take its own domain's teacher's log-probs,
+    equal to that teacher's host scores of the completion (1e-5), and its top-k."""
     import numpy as np
 
     from jaxrlvr import rollout, teachers
@@ -350,7 +362,8 @@ def test_several_local_teachers_score_each_token_by_its_domain(folders):
     scores = [{"reward": 0.0, "answer_reward": 0.0, "format_reward": 0.0}] * 4
     domain_ids = [0, 1, 1, 0]  # both domains inside one shared-prompt block
     cfg = rollout.ShapingConfig(group_size=2, packing=True, share_prompts=True)
-    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, domain_ids=domain_ids)
+    ids_f = {"domain_ids": [np.full(len(c.token_ids), d) for c, d in zip(completions, domain_ids)]}
+    batch, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, fields=ids_f)
     groups = [(a, (0,)), (b, (1,))]
     got = teachers.device_scores(groups, batch)["teacher_logp"]
     host = {
@@ -360,8 +373,10 @@ def test_several_local_teachers_score_each_token_by_its_domain(folders):
         for t in (a, b)
     }
     own = [host[a if d == 0 else b][i] for i, d in enumerate(domain_ids)]
-    # The host path's layout of the same scores (``RolloutSource.teacher_scores``).
-    want, _ = rollout.shape(prompts, completions, scores, cfg, pad_id=0, teacher_logps=own)
+    # The host path's layout of the same scores (``TeacherScores.host``).
+    want, _ = rollout.shape(
+        prompts, completions, scores, cfg, pad_id=0, fields={"teacher_logp": own}
+    )
     want = want.teacher_logp
     mask = batch.loss_mask != 0
     np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=1e-5)

@@ -11,6 +11,7 @@ import runs
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import interrupt, phases, train
+from jaxrlvr.algos import registry
 from jaxrlvr.phases import base, preference, rl, sft, tool
 
 # The tiny run of tests/runs.py, on the 8 fake devices of tests/conftest.py.
@@ -49,10 +50,13 @@ class _Counting(base.Phase):
     """A phase that trains nothing: it records what the loop asks of it. Its state is the SFT
     record's (a real TrainState, so checkpoints save and restore it)."""
 
-    algorithm_phase = "sft"
     sections = ("sft",)
     steps = 0
     every = None
+
+    @classmethod
+    def method(cls, cfg):
+        return registry.SFT
 
     @property
     def total_steps(self):

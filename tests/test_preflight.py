@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import preflight
+from jaxrlvr import configlib, hub, preflight, rundir
 
 
 def _model_dir(path, *, config=True, weights=True, tokenizer=True):
@@ -42,7 +42,7 @@ def offline(monkeypatch, tmp_path):
 
 
 def _error(cfg, **kw):
-    with pytest.raises(preflight.PreflightError) as err:
+    with pytest.raises(configlib.PreflightError) as err:
         preflight.check(cfg, **kw)
     msg = str(err.value)
     assert "\n" not in msg
@@ -88,9 +88,7 @@ def test_hub_unreachable_names_what_was_tried(tmp_path, monkeypatch):
 
 def test_hub_id_found_in_the_local_cache_is_resolved(tmp_path, offline, monkeypatch):
     snapshot = _model_dir(tmp_path / "snap")
-    monkeypatch.setattr(
-        preflight, "_cached_snapshot", lambda repo: snapshot if repo == "org/m" else None
-    )
+    monkeypatch.setattr(hub, "_cached_snapshot", lambda repo: snapshot if repo == "org/m" else None)
     cfg = preflight.check(_cfg(tmp_path, model=_model("org/m")))
     assert (cfg.model.path, cfg.model.tokenizer) == (snapshot, None)
 
@@ -246,7 +244,7 @@ def test_complete_steps_agrees_with_orbax(tmp_path):
     for step in (1, 5):
         ckpt.save(step, {"x": jnp.ones(3)}, {"s": json.dumps(step)})
     os.makedirs(tmp_path / "7.orbax-checkpoint-tmp-123")
-    assert preflight.complete_steps(str(tmp_path)) == ckpt.all_steps() == [1, 5]
+    assert rundir.complete_steps(str(tmp_path)) == ckpt.all_steps() == [1, 5]
 
 
 def test_writable_dir_probe_survives_another_process_removing_the_new_folder(tmp_path, monkeypatch):
@@ -266,12 +264,24 @@ def test_writable_dir_probe_survives_another_process_removing_the_new_folder(tmp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", racing)
-    preflight.check_writable_dir(str(target), "run.out_dir")
+    rundir.check_writable_dir(str(target), "run.out_dir")
     assert len(calls) == 2 and not (tmp_path / "new").exists()  # disk left as it was
 
     def always_gone(*args, **kwargs):
         raise FileNotFoundError(2, "No such file or directory")
 
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", always_gone)
-    with pytest.raises(preflight.PreflightError, match="run.out_dir=.*cannot write there"):
-        preflight.check_writable_dir(str(target), "run.out_dir")
+    with pytest.raises(configlib.PreflightError, match="run.out_dir=.*cannot write there"):
+        rundir.check_writable_dir(str(target), "run.out_dir")
+
+
+def test_sampler_devices_leave_the_trainer_one():
+    """``sampler.jax_devices`` takes devices from the trainer: all of them is refused in one line
+    (assembly runs this before ``builders.device_split``, which checks nothing)."""
+    s = config_lib.SamplerSection(kind="jax", jax_devices=4)
+    preflight.check_sampler_devices(s, 5)
+    with pytest.raises(configlib.ConfigKeyError) as err:
+        preflight.check_sampler_devices(s, 4)
+    assert str(err.value) == (
+        "sampler.jax_devices=4: the host has 4 devices, and the trainer needs at least one"
+    )

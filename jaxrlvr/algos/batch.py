@@ -56,12 +56,15 @@ _LAYOUT = {
     "positions": "bt",
     "prompt_group_ids": "bt",
     "routes": "btlk",
+    "sampler_routes": "btlk",
 }
 # Packed rows: optional for every update; segment ids and positions both or neither, prompt
 # group ids (shared prompts) only with them.
 PACKING_FIELDS = ("segment_ids", "positions", "prompt_group_ids")
-# Read by the model's forward itself (routing replay), so accepted by every update.
-MODEL_FIELDS = ("routes",)
+# Read by the model's forward itself (routing replay), or by the update's engine beside it (the
+# sampler's routes compared with the forward's own: ``routing.add_disagreement``), so accepted
+# by every update.
+MODEL_FIELDS = ("routes", "sampler_routes")
 _INT_FIELDS = (
     "input_ids",
     "labels",
@@ -106,6 +109,8 @@ class Batch:
     fields advantages, rewards and correct are per token, [B, T].
     prompt_group_ids: int32 [B, T], packed rows whose groups share one copy of their prompt.
     routes: int8 / int16 / int32 [B, T, L, k], MoE routing replay (module docstring), optional.
+    sampler_routes: the same layout, the sampler's routes NOT replayed: the update compares them
+    with its own forward's experts (``routing.add_disagreement``; ``rl.routing_metrics``).
     """
 
     input_ids: jax.Array
@@ -128,6 +133,7 @@ class Batch:
     positions: jax.Array | None = None
     prompt_group_ids: jax.Array | None = None
     routes: jax.Array | None = None
+    sampler_routes: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,7 +172,7 @@ def run_backbone(lm: Any, b: Batch, **kwargs):
 
 
 def _dtype_ok(name: str, dtype: np.dtype) -> str | None:
-    if name == "routes":
+    if name in ("routes", "sampler_routes"):
         return None if dtype in _ROUTE_DTYPES else "int8, int16 or int32"
     if name in _INT_FIELDS:
         return None if dtype == np.int32 else "int32"

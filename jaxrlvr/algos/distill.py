@@ -48,7 +48,7 @@ update skeleton: the reverse KL with ``teacher_logp`` as a rollout field, the JS
 teacher's top-k with ``teacher_topk_ids`` / ``teacher_topk_logp`` (the student's logits per
 position in chunks, ``topk_jsd_from_hidden``).
 
-Not here: the teachers' forward passes (``jaxrlvr.teachers``, ``sampling.vllm_teacher``) and the
+Not here: the teachers' forward passes (``jaxrlvr.teachers``, ``teachers.vllm``) and the
 choice of a teacher per problem (``jaxrlvr.teachers``).
 """
 
@@ -69,6 +69,7 @@ from jaxrlvr.algos import (
     loss_config,
     policy_gradient,
     policy_loss,
+    registry,
     segments,
 )
 from jaxrlvr.algos import algorithm as algorithm_lib
@@ -80,15 +81,23 @@ Signal = Literal["reverse_kl", "jsd"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillConfig:
-    """What the teacher's signal is and how it mixes with the verifiable reward.
+    """On-policy distillation's one config record (``rl.distill`` in YAML): what the teacher's
+    signal is, how it mixes with the verifiable reward, and where the teachers are.
 
+    teacher: the default teacher, a checkpoint / Hugging Face folder (a local JAX teacher, loaded
+        once on the run's mesh in ``teacher_dtype``) or a vLLM server URL (``http(s)://``).
+    teachers: teachers by a problem's domain (domain -> folder or URL; problems without a domain
+        of their own are domain "default"). A problem whose domain has no teacher is refused
+        before any compute unless ``teacher`` is set.
     signal: "reverse_kl" (the per-token advantage, needs the teacher's log-prob of each sampled
         token) or "jsd" (the generalised JSD loss, needs the teacher's logits or top-k).
     kl_coef: the reverse-KL advantage's coefficient (>= 0).
     reward_coef: the verifiable reward's advantage coefficient (>= 0; 0: pure distillation).
     beta: the JSD's interpolation in [0, 1] (0 forward KL, 1 reverse KL; TRL's convention).
     temperature: both distributions are softmax(logits / temperature) in the JSD (> 0).
-    top_k: the JSD over the teacher's top-k tokens (renormalised); None: the full vocabulary.
+    top_k: the JSD over the teacher's top-k tokens (renormalised); None: the full vocabulary
+        (refused by the update: it would need the teacher's [B, T, V] logits in the batch).
+        The reverse KL ignores it.
     """
 
     signal: Signal = "reverse_kl"
@@ -96,7 +105,18 @@ class DistillConfig:
     reward_coef: float = 0.0
     beta: float = 1.0
     temperature: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = 32
+    teacher: str | None = None
+    teachers: dict[str, str] = dataclasses.field(default_factory=dict)
+    teacher_dtype: str = "float32"
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Domain -> teacher source, the default teacher under "default"."""
+        out = dict(self.teachers)
+        if self.teacher is not None:
+            out["default"] = self.teacher
+        return out
 
     def __post_init__(self) -> None:
         loss_config.check_literal("distill.signal", self.signal, Signal)
@@ -471,6 +491,11 @@ def topk_jsd_from_hidden(
     return out.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
 
 
+def jsd_spec(cfg: DistillUpdateConfig) -> batch_lib.BatchSpec:
+    """The JSD's batch (rollouts and update alike): the teacher's top-k, nothing else."""
+    return batch_lib.BatchSpec(required=cfg.rollout_fields, num_microbatches=cfg.num_microbatches)
+
+
 def make_distill_update(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -489,9 +514,7 @@ def make_distill_update(
     cfg = cfg or DistillUpdateConfig()
     entropy_grad = cfg.loss.entropy_coef != 0
     if cfg.distill.signal == "jsd":
-        spec = batch_lib.BatchSpec(
-            required=cfg.rollout_fields, num_microbatches=cfg.num_microbatches
-        )
+        spec = jsd_spec(cfg)
     else:
         _, spec = policy_gradient.policy_specs(
             cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
@@ -570,38 +593,62 @@ def distill_algorithm(
     stale rollouts) with the teacher's log-probs as a rollout field.
 
     ``teacher_logp`` comes with the rollouts, from whichever teacher scored them: a vLLM
-    teacher on the host (``sampling.vllm_teacher``, laid out at the label positions as the
+    teacher on the host (``teachers.vllm``, laid out at the label positions as the
     sampler's log-probs are), or a local JAX teacher's pass on the placed batch
     (``jaxrlvr.teachers.LocalTeacher.batch_logprobs``, its parameters passed as arguments: a
     ``prepare`` that closed over them would compile them into the program as constants).
     """
     cfg = cfg or DistillUpdateConfig()
-    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    engine.check_epochs(epochs_per_batch)
-    update = make_distill_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    logprob_fn = engine.make_logprob_fn(
-        graphdef,
-        num_microbatches=logprob_microbatches or cfg.num_microbatches,
-        chunk_size=cfg.logprob_chunk_size,
-        mesh=mesh,
-    )
-    needs_ref = cfg.loss.kl_coef > 0
     jsd = cfg.distill.signal == "jsd"
-    # The JSD has no importance ratio: no old pass, whatever the epochs or staleness.
-    needs_old = not jsd and (epochs_per_batch > 1 or bool(rollouts_may_be_stale))
-    if jsd:
-        rollout_spec = update.batch_spec
-    else:
-        rollout_spec, _ = policy_gradient.policy_specs(
-            cfg.loss, cfg.rollout_fields, (), cfg.num_microbatches
+    return policy_gradient.policy_gradient_algorithm(
+        "distill",
+        graphdef,
+        optimizer,
+        cfg,
+        lambda tx, schedule: make_distill_update(
+            graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh
+        ),
+        rollout_fields=cfg.rollout_fields,
+        rollout_spec=jsd_spec(cfg) if jsd else None,
+        # The JSD has no importance ratio: no old pass, whatever the epochs or staleness.
+        old=not jsd and (epochs_per_batch > 1 or bool(rollouts_may_be_stale)),
+        mesh=mesh,
+        epochs_per_batch=epochs_per_batch,
+        logprob_microbatches=logprob_microbatches,
+    )
+
+
+def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algorithm:
+    """``rl.algo: distill`` from the run config: ``rl.distill`` (``DistillConfig``, the record
+    YAML builds) with the shared RL fields."""
+    del params_shape
+    return distill_algorithm(
+        graphdef,
+        cfg.optim,
+        DistillUpdateConfig(
+            distill=cfg.rl.distill, **policy_gradient.run_fields(cfg, microbatches)
+        ),
+        mesh=mesh,
+        epochs_per_batch=cfg.rl.epochs_per_step,
+        rollouts_may_be_stale=cfg.rl.max_staleness > 0,
+    )
+
+
+def check_run(rl) -> None:
+    if not rl.distill.sources:
+        raise ValueError(
+            "rl.algo=distill needs a teacher: rl.distill.teacher (a folder or a vLLM URL) "
+            "or rl.distill.teachers (domain -> folder or URL)"
         )
 
-    def prepare(state, rollouts):
-        batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
-        return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
-    init = algorithm_lib.make_init(graphdef, tx, reference=needs_ref)
-    record = algorithm_lib.Algorithm(
-        name="distill", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
+registry.register(
+    registry.Method(
+        name="distill",
+        build=build,
+        section=DistillConfig,
+        asynchronous=True,
+        state_keys=policy_gradient.STATE_KEYS,
+        check=check_run,
     )
-    return algorithm_lib.with_epochs(record, epochs_per_batch)
+)

@@ -124,10 +124,11 @@ def token_logprobs_from_hidden(
     )
 
 
-def replay_kwargs(routes_btlk) -> dict:
-    """``backbone``'s routing-replay argument for ``Batch.routes`` (``algos.routing``): none
-    when the batch carries no routes, so a dense model's call is unchanged."""
-    return {} if routes_btlk is None else {"routes": routing.to_model(routes_btlk)}
+def replay_kwargs(routes_btlk, config) -> dict:
+    """``backbone``'s routing-replay argument for ``Batch.routes`` (``algos.routing``), checked
+    and laid out against the model's ``config`` (``routing.to_model``): none when the batch
+    carries no routes, so a dense model's call is unchanged."""
+    return {} if routes_btlk is None else {"routes": routing.to_model(routes_btlk, config)}
 
 
 def token_logprobs(
@@ -137,7 +138,7 @@ def token_logprobs(
 
     Chunked (``chunk_size``), only loss-mask positions are computed (0 elsewhere): chunks of
     prompt or padding in every row skip the lm_head. Unchunked, every position is."""
-    hidden, _ = batch_lib.run_backbone(lm, batch, **replay_kwargs(batch.routes))
+    hidden, _ = batch_lib.run_backbone(lm, batch, **replay_kwargs(batch.routes, lm.config))
     logp, ent = token_logprobs_from_hidden(
         lm,
         hidden,
@@ -196,7 +197,7 @@ def make_logprob_fn(
                 positions,
                 segment_ids=segment_ids,
                 prompt_group_ids=prompt_group_ids,
-                **replay_kwargs(routes),
+                **replay_kwargs(routes, lm.config),
             )
             return token_logprobs_from_hidden(
                 lm,
@@ -275,7 +276,8 @@ def accumulate_gradients(
         # A MoE policy's router signals: the optional aux loss and the router metrics.
         with moe.collect_routers() as routers:
             out = loss_fn(p, mb)
-        return moe.add_router_terms(out, routers, num_microbatches)
+        out = moe.add_router_terms(out, routers, num_microbatches)
+        return routing.add_disagreement(out, routers, mb)
 
     metrics_shape = jax.eval_shape(lambda p, mb: routed_loss(p, mb)[1], diff_params, first)
 

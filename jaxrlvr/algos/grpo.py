@@ -5,6 +5,8 @@ The objective is ``policy_loss.policy_loss`` with every option of ``PolicyLossCo
 off-policy correction); the advantages come from the host (``advantages``, ``shaping``,
 ``rollout``).
 
+Registered as ``grpo`` (``registry``).
+
 Not here: rewards and group baselines (the driver computes ``batch.advantages``), the engine
 (``engine``) and the parts shared with PPO (``policy_gradient``).
 """
@@ -16,7 +18,7 @@ from typing import Any
 import optax
 from flax import nnx
 
-from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient
+from jaxrlvr.algos import aggregation, engine, loss_config, policy_gradient, registry
 from jaxrlvr.algos import algorithm as algorithm_lib
 
 
@@ -111,25 +113,43 @@ def grpo_algorithm(
     behaviour ("staleness"), where the RL phase supplies ``behaviour_logp`` for stale batches.
     """
     cfg = cfg or GRPOUpdateConfig()
-    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
-    engine.check_epochs(epochs_per_batch)
-    update = make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh)
-    chunks = logprob_microbatches or cfg.num_microbatches
-    logprob_fn = engine.make_logprob_fn(
-        graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
-    )
-    needs_ref = cfg.loss.kl_coef > 0
-    needs_old = epochs_per_batch > 1 or bool(rollouts_may_be_stale)
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, ("advantages",), (), cfg.num_microbatches
+    return policy_gradient.policy_gradient_algorithm(
+        "grpo",
+        graphdef,
+        optimizer,
+        cfg,
+        lambda tx, schedule: make_grpo_update(graphdef, tx, cfg, lr_schedule=schedule, mesh=mesh),
+        old=epochs_per_batch > 1 or bool(rollouts_may_be_stale),
+        mesh=mesh,
+        epochs_per_batch=epochs_per_batch,
+        logprob_microbatches=logprob_microbatches,
     )
 
-    def prepare(state, rollouts):
-        batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts, old=needs_old)
-        return algorithm_lib.select_fields(batch, update.batch_spec), metrics
 
-    init = algorithm_lib.make_init(graphdef, tx, reference=needs_ref)
-    record = algorithm_lib.Algorithm(
-        name="grpo", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
+def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algorithm:
+    """``rl.algo: grpo`` from the run config: ``rl.policy_loss`` and the shared RL fields."""
+    del params_shape
+    return grpo_algorithm(
+        graphdef,
+        cfg.optim,
+        GRPOUpdateConfig(**policy_gradient.run_fields(cfg, microbatches)),
+        mesh=mesh,
+        epochs_per_batch=cfg.rl.epochs_per_step,
+        rollouts_may_be_stale=cfg.rl.max_staleness > 0,
     )
-    return algorithm_lib.with_epochs(record, epochs_per_batch)
+
+
+def check_run(rl) -> None:
+    if rl.group_size < 2:
+        raise ValueError(f"group_size={rl.group_size}: GRPO needs at least 2 samples per prompt")
+
+
+registry.register(
+    registry.Method(
+        name="grpo",
+        build=build,
+        asynchronous=True,
+        state_keys=policy_gradient.STATE_KEYS,
+        check=check_run,
+    )
+)

@@ -1,5 +1,7 @@
-"""What GRPO and PPO share: the batch specs of a policy-gradient method, the policy objective
-on one microbatch, and the old / reference log-prob passes of ``prepare``.
+"""What the policy-gradient methods share (GRPO, PPO, distillation, CISPO): the batch specs, the
+policy objective on one microbatch, the old / reference log-prob passes of ``prepare``, the record
+skeleton (``policy_gradient_algorithm``) and the run config's common update fields
+(``run_fields``).
 
 ``policy_specs`` is the one place that decides which log-prob fields a policy-gradient method
 reads: the sampler's log-probs are required by an off-policy correction that reads them
@@ -10,15 +12,19 @@ required when the KL term is in the loss; ``old_logp`` is optional (None: one on
 ratio 1) unless the method says otherwise.
 
 Not here: the loss math (``policy_loss``), the update skeleton (``engine``) and each method's
-own record (``grpo``, ``ppo``).
+own update and registration (``grpo``, ``ppo``, ``distill``, ``cispo``).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import optax
+from flax import nnx
 
+from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import loss_config, policy_loss
+from jaxrlvr.algos import engine, loss_config, policy_loss
 from jaxrlvr.algos import state as state_lib
 
 Metrics = dict[str, jax.Array]
@@ -109,3 +115,76 @@ def policy_passes(
     ref = state.reference_params()
     ref_logp = None if ref is None else logprob_fn(ref, rollouts)[0]
     return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), {}
+
+
+# The config key whose change a checkpointed policy-gradient state cannot follow: the frozen KL
+# reference is in the state only when ``loss.kl_coef`` > 0.
+STATE_KEYS = ("rl.loss.kl_coef",)
+
+
+def run_fields(cfg: Any, microbatches: int) -> dict[str, Any]:
+    """The update-config fields every policy-gradient method takes from the run config:
+    ``loss`` (``rl.policy_loss``: with the async default correction), ``num_microbatches`` and
+    ``logprob_chunk_size``."""
+    return {
+        "loss": cfg.rl.policy_loss,
+        "num_microbatches": microbatches,
+        "logprob_chunk_size": cfg.rl.logprob_chunk_size,
+    }
+
+
+def policy_gradient_algorithm(
+    name: str,
+    graphdef: nnx.GraphDef,
+    optimizer: algorithm_lib.Optimizer,
+    cfg: Any,
+    make_update: Callable[[optax.GradientTransformation, engine.LRSchedule], Callable],
+    *,
+    old: bool,
+    rollout_fields: tuple[str, ...] = ("advantages",),
+    update_fields: tuple[str, ...] = (),
+    rollout_spec: batch_lib.BatchSpec | None = None,
+    mesh: Any = None,
+    epochs_per_batch: int = 1,
+    logprob_microbatches: int | None = None,
+    critic: Callable[[nnx.State, jax.Array], object] | None = None,
+    value_tx: optax.GradientTransformation | None = None,
+    extra_pass: Callable[[state_lib.TrainState, batch_lib.Batch], batch_lib.Batch] | None = None,
+) -> algorithm_lib.Algorithm:
+    """The record skeleton of a policy-gradient method, in one order: resolve the optimiser,
+    build the one-epoch update (``make_update(tx, schedule)``; ``cfg``: the method's update
+    config, whose ``loss``, ``num_microbatches`` and ``logprob_chunk_size`` are read here), the
+    rollout spec (``policy_specs`` of ``rollout_fields`` / ``update_fields`` unless
+    ``rollout_spec`` is given), the log-prob function (in
+    ``logprob_microbatches`` chunks, default the update's), ``prepare`` (``policy_passes``: the
+    reference's log-probs when ``loss.kl_coef`` > 0, the old policy's when ``old``; then
+    ``extra_pass(state, batch)`` if given, e.g. PPO's rollout-time values; then the update's
+    fields), ``init`` (``algorithm.make_init`` with the KL reference, and PPO's ``critic`` /
+    ``value_tx``), and ``with_epochs``."""
+    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
+    engine.check_epochs(epochs_per_batch)
+    update = make_update(tx, schedule)
+    if rollout_spec is None:
+        rollout_spec, _ = policy_specs(
+            cfg.loss, rollout_fields, update_fields, cfg.num_microbatches
+        )
+    logprob_fn = engine.make_logprob_fn(
+        graphdef,
+        num_microbatches=logprob_microbatches or cfg.num_microbatches,
+        chunk_size=cfg.logprob_chunk_size,
+        mesh=mesh,
+    )
+
+    def prepare(state, rollouts):
+        batch, metrics = policy_passes(logprob_fn, state, rollouts, old=old)
+        if extra_pass is not None:
+            batch = extra_pass(state, batch)
+        return algorithm_lib.select_fields(batch, update.batch_spec), metrics
+
+    init = algorithm_lib.make_init(
+        graphdef, tx, reference=cfg.loss.kl_coef > 0, critic=critic, value_tx=value_tx
+    )
+    record = algorithm_lib.Algorithm(
+        name=name, init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
+    )
+    return algorithm_lib.with_epochs(record, epochs_per_batch)

@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrlvr.algos import aggregation, engine, gae, kl, loss_config, policy_gradient, value
+from jaxrlvr.algos import (
+    aggregation,
+    engine,
+    gae,
+    kl,
+    loss_config,
+    policy_gradient,
+    registry,
+    value,
+)
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
 
@@ -240,7 +249,6 @@ def ppo_algorithm(
     ``ref_logp`` (KL) and the rollout-time ``old_values``.
     """
     cfg = cfg or PPOUpdateConfig()
-    tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
     value_tx, _ = algorithm_lib.resolve_optimizer(
         optimizer if value_optimizer is None else value_optimizer
     )
@@ -249,39 +257,68 @@ def ppo_algorithm(
         if params_shape is None:
             raise ValueError("ppo(trunk='separate'): pass params_shape (the policy's params)")
         value_graphdef = value.critic_graphdef(graphdef, params_shape)
-    update = make_ppo_update(
-        graphdef,
-        tx,
-        value_tx,
-        cfg,
-        lr_schedule=schedule,
-        value_graphdef=value_graphdef,
-        mesh=mesh,
-    )
-    chunks = logprob_microbatches or cfg.num_microbatches
-    logprob_fn = engine.make_logprob_fn(
-        graphdef, num_microbatches=chunks, chunk_size=cfg.logprob_chunk_size, mesh=mesh
-    )
     value_fn = value.make_value_fn(graphdef, value_graphdef=value_graphdef)
-    needs_ref = cfg.loss.kl_coef > 0
-    rollout_spec, _ = policy_gradient.policy_specs(
-        cfg.loss, ("rewards",), _update_fields(cfg), cfg.num_microbatches
-    )
 
     def critic(params, key):
         if value_graphdef is not None:
             return value.init_value_model(graphdef, params, rng=key)[1]
         return value.init_value_head(nnx.merge(graphdef, params).config.hidden_size, key)
 
-    def prepare(state, rollouts):
-        batch, metrics = policy_gradient.policy_passes(logprob_fn, state, rollouts)
-        batch = batch.replace(old_values=value_fn(state.params, state.value_params, rollouts))
-        return algorithm_lib.select_fields(batch, update.batch_spec), metrics
+    def rollout_values(state, batch):
+        return batch.replace(old_values=value_fn(state.params, state.value_params, batch))
 
-    init = algorithm_lib.make_init(
-        graphdef, tx, reference=needs_ref, critic=critic, value_tx=value_tx
+    def make_update(tx, schedule):
+        return make_ppo_update(
+            graphdef,
+            tx,
+            value_tx,
+            cfg,
+            lr_schedule=schedule,
+            value_graphdef=value_graphdef,
+            mesh=mesh,
+        )
+
+    return policy_gradient.policy_gradient_algorithm(
+        "ppo",
+        graphdef,
+        optimizer,
+        cfg,
+        make_update,
+        old=True,
+        rollout_fields=("rewards",),
+        update_fields=_update_fields(cfg),
+        mesh=mesh,
+        epochs_per_batch=epochs_per_batch,
+        logprob_microbatches=logprob_microbatches,
+        critic=critic,
+        value_tx=value_tx,
+        extra_pass=rollout_values,
     )
-    record = algorithm_lib.Algorithm(
-        name="ppo", init=init, prepare=prepare, update=update, rollout_spec=rollout_spec
+
+
+def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algorithm:
+    """``rl.algo: ppo`` from the run config: ``rl.ppo`` (this module's ``PPOConfig``, the record
+    YAML builds) with the shared RL fields."""
+    ppo_cfg = PPOUpdateConfig(
+        **policy_gradient.run_fields(cfg, microbatches), **dataclasses.asdict(cfg.rl.ppo)
     )
-    return algorithm_lib.with_epochs(record, epochs_per_batch)
+    return ppo_algorithm(
+        graphdef,
+        cfg.optim,
+        ppo_cfg,
+        params_shape=params_shape,
+        mesh=mesh,
+        epochs_per_batch=cfg.rl.epochs_per_step,
+    )
+
+
+registry.register(
+    registry.Method(
+        name="ppo",
+        build=build,
+        section=PPOConfig,
+        asynchronous=True,
+        # The critic (its trunk and head) is in the state.
+        state_keys=("rl.ppo.", *policy_gradient.STATE_KEYS),
+    )
+)

@@ -25,6 +25,7 @@ Not here: building pairs (``jaxrlvr.pairs``) and reading them (the driver).
 """
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from flax import nnx
 
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import engine, loss_config
+from jaxrlvr.algos import engine, loss_config, registry
 
 _f32 = jnp.float32
 Kind = Literal["dpo", "ipo", "simpo", "orpo"]
@@ -550,3 +551,27 @@ def preference_algorithm(
         ),
     )
     return algorithm_lib.with_epochs(record, epochs_per_batch)
+
+
+def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algorithm:
+    """``rl.algo``: dpo, ipo, simpo or orpo from the run config: the loss from ``pref`` (the
+    preference phase's section: its data and coefficients), the rest from ``rl``."""
+    del params_shape
+    pref = cfg.pref
+    loss = PreferenceLossConfig(
+        kind=cfg.rl.algo,
+        beta=pref.beta,
+        label_smoothing=pref.label_smoothing,
+        gamma=pref.gamma,
+        nll_weight=pref.nll_weight,
+    )
+    pref_cfg = PreferenceUpdateConfig(
+        loss=loss, num_microbatches=microbatches, logprob_chunk_size=cfg.rl.logprob_chunk_size
+    )
+    return preference_algorithm(
+        graphdef, cfg.optim, pref_cfg, mesh=mesh, epochs_per_batch=cfg.rl.epochs_per_step
+    )
+
+
+for _kind in typing.get_args(Kind):
+    registry.register(registry.Method(name=_kind, build=build, data="pairs"))

@@ -6,6 +6,8 @@ denominator being the full batch's loss-token count or B * C, the CS336 ``masked
 the same update on the policy's own verified rollouts (Anthony et al. 2017; the CS336 EI
 experiment).
 
+Registered as ``sft`` (a phase's method) and ``expert_iteration`` (``registry``).
+
 Not here: tokenising SFT pairs and filtering rollouts by reward (the driver), the engine
 (``engine``).
 """
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrlvr.algos import aggregation, engine, segments
+from jaxrlvr.algos import aggregation, engine, registry, segments
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
 
@@ -159,3 +161,31 @@ def expert_iteration_algorithm(
     return dataclasses.replace(
         inner, name="expert_iteration", prepare=prepare, rollout_spec=rollout_spec
     )
+
+
+def build_sft(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algorithm:
+    """The SFT phase's record from the run config's ``sft`` section (its own microbatches)."""
+    del params_shape, microbatches
+    sft_cfg = SFTUpdateConfig(
+        num_microbatches=cfg.sft.microbatches, logprob_chunk_size=cfg.sft.logprob_chunk_size
+    )
+    return sft_algorithm(graphdef, cfg.sft.optim, sft_cfg, mesh=mesh)
+
+
+def build_expert_iteration(
+    cfg, graphdef, params_shape, mesh, microbatches
+) -> algorithm_lib.Algorithm:
+    """``rl.algo: expert_iteration`` from the run config's ``rl`` section and ``optim``."""
+    del params_shape
+    ei_cfg = SFTUpdateConfig(
+        num_microbatches=microbatches, logprob_chunk_size=cfg.rl.logprob_chunk_size
+    )
+    return expert_iteration_algorithm(
+        graphdef, cfg.optim, ei_cfg, mesh=mesh, epochs_per_batch=cfg.rl.epochs_per_step
+    )
+
+
+registry.register(registry.Method(name=registry.SFT, build=build_sft, data="examples"))
+registry.register(
+    registry.Method(name="expert_iteration", build=build_expert_iteration, asynchronous=True)
+)

@@ -10,7 +10,7 @@
   They import ``jaxrlvr.model`` (so JAX) when called, not when this module is imported: the
   torch-only workers never call them, so JAX does not count towards their peak RSS.
 - ``trainer_step`` builds what ``jaxrlvr train`` compiles for a config's RL phase (the record of
-  ``methods.make_algorithm``, the state shardings of ``methods.abstract_state``, and
+  ``registry.build``, the state shardings of ``checkpoint.abstract_state``, and
   ``step.CompiledAlgorithm``), so ``bench update``, ``bench memory`` and the GPU check time and
   measure the trainer's own path.
 - ``run_worker`` runs one system in a fresh ``python -m MODULE`` process (so its peak RSS is its
@@ -107,15 +107,13 @@ def train_config(overrides: Sequence[str], path: str | None = None):
 
 def trainer_step(cfg, graphdef, params_shape, mesh, *, microbatches: int | None = None):
     """(record, ``step.CompiledAlgorithm``, state shardings) of ``cfg``'s RL phase, built exactly
-    as the trainer builds them (``methods.make_algorithm`` with ``microbatches``,
-    ``methods.abstract_state``)."""
-    from jaxrlvr import methods
-    from jaxrlvr.algos import step
+    as the trainer builds them (``registry.build`` of ``rl.algo`` with ``microbatches``,
+    ``checkpoint.abstract_state``)."""
+    from jaxrlvr import checkpoint
+    from jaxrlvr.algos import registry, step
 
-    algo = methods.make_algorithm(
-        cfg, "rl", graphdef, params_shape, mesh, microbatches=microbatches
-    )
-    _, shardings = methods.abstract_state(algo, params_shape, mesh)
+    algo = registry.build(cfg.rl.algo, cfg, graphdef, params_shape, mesh, microbatches=microbatches)
+    _, shardings = checkpoint.abstract_state(algo, params_shape, mesh)
     return algo, step.CompiledAlgorithm(algo, mesh, shardings), shardings
 
 

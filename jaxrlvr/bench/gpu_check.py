@@ -8,7 +8,7 @@ its own process, one after the other, so each has the whole device and its own p
   elementwise copy (read + write; the decode bound's denominator);
 - ``update``: the Qwen2.5-1.5B architecture (random weights; bf16 compute, fp32 master weights,
   remat, scanned layers), a GRPO step through the trainer's own path (the record
-  ``methods.make_algorithm`` builds for a GRPO ``TrainConfig`` with asynchronous rollouts, so
+  ``registry.build`` builds for a GRPO ``TrainConfig`` with asynchronous rollouts, so
   that ``prepare`` runs the old log-prob pass, compiled by ``step.CompiledAlgorithm``;
   ``bench.common.trainer_step``) on 8 rows x 1,024 tokens (256 prompt + 768 response) in 4
   microbatches: the forward (``prepare``: old log-probs) and the update, each with tokens/s, MFU
@@ -162,7 +162,7 @@ def part_update(smoke: bool) -> dict:
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=-1, tensor=1))
     t0 = time.perf_counter()
     graphdef, params = nnx.split(M.init_model(cfg, seed=0, mesh=mesh), nnx.Param)
-    # What ``jaxrlvr train`` compiles for a GRPO config: its record (methods.make_algorithm),
+    # What ``jaxrlvr train`` compiles for a GRPO config: its record (registry.build),
     # state shardings and step.CompiledAlgorithm.
     # rl.max_staleness=1: rollouts may be stale, so prepare runs the old log-prob pass (the
     # forward timed below); without a correction the update does the synchronous one's work.

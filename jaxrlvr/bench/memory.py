@@ -6,7 +6,7 @@ Qwen2.5-Math-1.5B architecture as abstract parameters (``nnx.eval_shape``: no we
 memory) and the GRPO record that ``jaxrlvr train`` builds from
 configs/r1_zero_qwen2.5_math_1.5b.yaml (bf16 compute, float32 master weights and AdamW
 moments, remat, scanned layers, ``seq_mean_token_mean``, clip 0.2, lr 1e-5, grad clip 1.0;
-``methods.make_algorithm`` via ``bench.common.trainer_step``), compiles it with
+``registry.build`` via ``bench.common.trainer_step``), compiles it with
 ``step.CompiledAlgorithm`` (explicit shardings, donation), lowers the compiled update
 (``CompiledAlgorithm.lower_update``) on ``ShapeDtypeStruct`` arguments (the batch: ``prepare``'s
 output for the case's rollouts) and compiles it. It reports ``compiled.memory_analysis()`` per

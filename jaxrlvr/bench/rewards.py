@@ -31,10 +31,10 @@ import platform
 import random
 import time
 
-from jaxrlvr import data, rewards
+from jaxrlvr import data, rewards, sandbox
 from jaxrlvr.bench import common
 from jaxrlvr.data import code_loading, synthetic, synthetic_code
-from jaxrlvr.rewards import code, grading, math_equiv, sandbox
+from jaxrlvr.rewards import code, grading, math_equiv
 
 _FILLER = "Let me think about this step by step. We rewrite the expression and simplify. " * 20
 

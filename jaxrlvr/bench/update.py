@@ -4,7 +4,7 @@ Each system runs in its own subprocess (so peak RSS is per system) on identical 
 weights (one Hugging Face checkpoint written by jaxrlvr's ``save_hf``) and batch (NumPy seed):
 
 - ``jaxrlvr``: the trainer's own path: the GRPO record that ``jaxrlvr train`` builds from its
-  config (``methods.make_algorithm`` on a ``TrainConfig``: rl.algo grpo, the loss and AdamW
+  config (``registry.build`` on a ``TrainConfig``: rl.algo grpo, the loss and AdamW
   settings below, one epoch) compiled by ``step.CompiledAlgorithm`` (donated state, explicit
   shardings on a one-device mesh); ``prepare`` places the rollouts, the timed step is
   ``update``: microbatches by ``lax.scan``, decoder layers unrolled (``scan_layers=False``, the

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxrlvr import sandbox as sandbox_lib
 from jaxrlvr.envs import base, calculator, multi_turn, python_tool
 from jaxrlvr.envs.base import Environment, EnvStep, Tool, ToolEnvironment, ToolResult, split_trace
 from jaxrlvr.envs.calculator import Calculator
 from jaxrlvr.envs.multi_turn import MultiTurnSampler, Trajectory, TurnLimits, trajectory_metrics
 from jaxrlvr.envs.python_tool import PythonTool
-from jaxrlvr.rewards import sandbox as sandbox_lib
 
 __all__ = [
     "base",

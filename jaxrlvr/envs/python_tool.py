@@ -1,6 +1,6 @@
 """The Python tool: ``<python>code</python>`` -> what the code prints, run in the code sandbox.
 
-The code runs in ``rewards.sandbox`` (bubblewrap by default: no network, no host files, a uid of
+The code runs in ``jaxrlvr.sandbox`` (bubblewrap by default: no network, no host files, a uid of
 its own, CPU / memory / process / time limits; ``reward.sandbox`` chooses the mechanism) with its
 stdout and stderr captured. A program that raises returns the exception's last line
 (``ZeroDivisionError: division by zero``) and counts as a tool error, as does a timeout. Each
@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import time
 
+from jaxrlvr import sandbox as sandbox_lib
 from jaxrlvr.envs import base
-from jaxrlvr.rewards import sandbox as sandbox_lib
 
 
 class PythonTool:

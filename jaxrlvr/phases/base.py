@@ -22,45 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
 from flax import nnx
 
+from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
-from jaxrlvr import methods, prompts
 from jaxrlvr import model as model_lib
+from jaxrlvr import prompts
 from jaxrlvr.algos import algorithm as algorithm_lib
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import loading
-from jaxrlvr.rewards import grading, verifiers
-
-
-@dataclasses.dataclass(eq=False)
-class Grader:
-    """The run's reward function and the grading pool that runs it time-bounded.
-
-    The pool serves one call at a time (the async producer grades the difficulty filter's
-    candidates on its own thread), hence the lock.
-    """
-
-    reward_fn: verifiers.RewardFn
-    pool: grading.GradingPool
-    # A task mixture's ``verifiers.domain_reward_fn``: each truth is (domain, answer).
-    by_domain: bool = False
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def grade(self, problems: list[loading.Problem], texts: list[str], n: int):
-        """(scores, stats) of ``n`` completions per problem (problem-major)."""
-        truths = [(p.domain, p.answer) if self.by_domain else p.answer for p in problems]
-        truths = [t for t in truths for _ in range(n)]
-        with self._lock:
-            return self.pool.grade(self.reward_fn, texts, truths)
-
-    def close(self) -> None:
-        self.pool.close()
+from jaxrlvr.rewards import grading
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,10 +67,10 @@ class RunContext:
     num_shards: int
     eval_problems: list[loading.Problem]
     row_block: tuple[int, int]
-    grader: Grader
+    grader: grading.Grader
     sampler: Any
-    # On-policy distillation's ``teachers.TeacherRegistry`` (``rl.algo: distill``), else None.
-    teachers: Any = None
+    # The run's rollout passes (``passes.RolloutPass``: teacher scores, routing replay), in order.
+    passes: tuple = ()
 
     @property
     def pad_id(self) -> int:
@@ -107,6 +83,62 @@ class RunContext:
     def encode_prompts(self, problems: list[loading.Problem]) -> list[list[int]]:
         """The problems' rendered prompts as token ids."""
         return prompts.encode_many(self.tokenizer, [self.render(p) for p in problems])
+
+    def sample(
+        self,
+        problems: list[loading.Problem],
+        n: int,
+        sampler_cfg: config_lib.SamplerSection,
+        *,
+        seed: int,
+        first: int = 0,
+        eval_mode: bool = False,
+        generate: Callable | None = None,
+    ) -> tuple[list[list[int]], list]:
+        """(the prompts' token ids, ``n`` completions of each prompt, prompt-major) from the
+        run's sampler with ``sampler``'s training (or ``eval_mode``) parameters.
+
+        The one seeding rule of the run's sampling (rollouts, evaluation, pairs): ``problems``
+        is this process's share of a list sampled with ``seed``, starting at index ``first`` of
+        it. vLLM seeds prompt i with seed + i, so a share's seed is offset by ``first``; the JAX
+        sampler runs one program over every process's rows with one seed, so it is not.
+        ``generate(problems, prompt_ids, n, params)``: another way to call the sampler (the
+        multi-turn source hands the environments their problems)."""
+        prompt_ids = self.encode_prompts(problems)
+        if sampler_cfg.kind != "jax":
+            seed += first
+        params = prompts.sampling_params(
+            sampler_cfg, self.tokenizer, eval_mode=eval_mode, seed=seed
+        )
+        if generate is None:
+            completions = self.sampler.generate(prompt_ids, n, params)
+        else:
+            completions = generate(problems, prompt_ids, n, params)
+        if len(completions) != len(prompt_ids) * n:
+            raise RuntimeError(
+                f"sampler returned {len(completions)} completions for {len(prompt_ids)} x {n}"
+            )
+        return prompt_ids, completions
+
+    def sample_and_grade(
+        self,
+        problems: list[loading.Problem],
+        n: int,
+        sampler_cfg: config_lib.SamplerSection,
+        *,
+        score: Callable | None = None,
+        **sample_kw,
+    ):
+        """``sample`` (``sample_kw``: its ``seed``, ``first``, ``eval_mode``, ``generate``), then
+        the grader's scores of every completion: (prompt ids, completions, scores,
+        ``grading.GradingStats``). ``score(problems, completions, n)``: another way to score
+        them (the multi-turn source adds the environments' rewards)."""
+        prompt_ids, completions = self.sample(problems, n, sampler_cfg, **sample_kw)
+        if score is None:
+            scores, stats = self.grader.grade(problems, [c.text for c in completions], n)
+        else:
+            scores, stats = score(problems, completions, n)
+        return prompt_ids, completions, scores, stats
 
     def close(self) -> None:
         """Stops the sampler and the grading pool (each even if the other fails)."""
@@ -208,12 +240,11 @@ class Phase:
     (``wanted``, ``geometry``, ``check``, ``data_files``) and as the parts of the run's summary
     it fills (``summary``). Subclasses set ``name`` (the phase's key in checkpoints and metrics),
     ``sections`` (the config sections it reads: ``self.cfg`` holds only these),
-    ``algorithm_phase`` (the record ``methods.make_algorithm`` builds for it) and implement
+    ``method`` (the registered method whose record it trains, ``algos.registry``) and implement
     ``step``; the rest has defaults.
     """
 
     name: ClassVar[str]
-    algorithm_phase: ClassVar[str]
     sections: ClassVar[tuple[str, ...]]
     # Whether the phase samples completions of the training prompts (their lengths are checked
     # against the model's positions before the run starts).
@@ -258,6 +289,12 @@ class Phase:
         """The data files the phase reads, checked (exist, parse, fill a batch) by preflight."""
         return []
 
+    @classmethod
+    def method(cls, cfg: Sections) -> str:
+        """The registered method (``algos.registry``) whose record the phase trains; checkpoints
+        record it with the phase's name."""
+        raise NotImplementedError
+
     # -- what the loop reads --------------------------------------------------------------------
     @property
     def total_steps(self) -> int:
@@ -285,12 +322,17 @@ class Phase:
         finished phase, by name ("start": before any step)."""
         return {}
 
+    def report(self, summary: dict[str, Any]) -> list[str]:
+        """The lines ``train.run`` prints for this phase when the run ends (``summary``: the
+        run's, ``Phase.summary`` fields included)."""
+        return []
+
     # -- record and state -------------------------------------------------------------------------
     def make_algorithm(self, microbatches: int | None = None) -> algorithm_lib.Algorithm:
         ctx = self.ctx
-        return methods.make_algorithm(
+        return registry.build(
+            self.method(self.cfg),
             self.cfg,
-            self.algorithm_phase,
             ctx.graphdef,
             ctx.params_shape,
             ctx.mesh,
@@ -300,7 +342,7 @@ class Phase:
     def enter(self, params: nnx.State, rng: jax.Array) -> None:
         """The phase's record, its fresh state from ``params``, and the compiled prepare/update."""
         self.algorithm = self.make_algorithm()
-        _, self.shardings = methods.abstract_state(
+        _, self.shardings = checkpoint_lib.abstract_state(
             self.algorithm, self.ctx.params_shape, self.ctx.mesh
         )
         self.state = jax.device_put(self.algorithm.init(params, rng), self.shardings)
@@ -308,9 +350,8 @@ class Phase:
 
     def abstract_state(self):
         """The state's shape with its target shardings: what a checkpoint restores into."""
-        return methods.abstract_state(self.make_algorithm(), self.ctx.params_shape, self.ctx.mesh)[
-            0
-        ]
+        ctx = self.ctx
+        return checkpoint_lib.abstract_state(self.make_algorithm(), ctx.params_shape, ctx.mesh)[0]
 
     # -- life -------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -340,6 +381,10 @@ class RLStepsPhase(Phase):
 
     reward_metric: ClassVar[str]
 
+    @classmethod
+    def method(cls, cfg):
+        return cfg.rl.algo
+
     @property
     def total_steps(self) -> int:
         return self.cfg.rl.steps
@@ -354,3 +399,12 @@ class RLStepsPhase(Phase):
 
     def summary(self, evals):
         return {"algo": self.cfg.rl.algo, "rl_steps": self.position}
+
+    def report(self, summary):
+        final = accuracy_text(summary["eval_accuracy_final"])
+        return [f"held-out accuracy after {self.cfg.rl.algo.upper()}: {final}"]
+
+
+def accuracy_text(accuracy: float | None) -> str:
+    """A held-out accuracy as the run's last lines print it ("n/a": not evaluated)."""
+    return "n/a" if accuracy is None else f"{accuracy:.3f}"

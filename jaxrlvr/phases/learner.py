@@ -6,7 +6,7 @@ correctness, the sampler's log-probs) in a length bucket; a token budget
 count; the compiled ``prepare`` places it on the mesh (the step's one host-to-device transfer)
 and runs the old / reference / value passes on device; the compiled, donated ``update`` trains
 on it. The method (GRPO and its variants, PPO, expert iteration) is the record
-``methods.make_algorithm`` builds for ``rl.algo``; the learner knows none of their insides, and
+``registry.build`` builds for ``rl.algo``; the learner knows none of their insides, and
 nothing of how rollouts are sampled (``phases.sources``).
 
 Off-policy correction (``algos.importance``, docs/corrections.md): a stale batch (``rl.
@@ -18,9 +18,9 @@ vs behaviour) are corrected and reported apart. After a resume the versions of t
 with the checkpoint are gone: those batches use the current parameters as their behaviour
 version (the ratio reads 1) and ``offpolicy/behaviour_exact`` is 0 on those steps.
 
-MoE routing replay (``algos.routing``, ``rl.routing_replay``): the rollouts' recorded routes
-(``Batch.routes``) feed the routing diagnostics, then stay in the batch for "r3", are replaced
-by the trainer's own routes under the step's parameters for "r2", and are dropped for "none".
+Rollout passes (``passes``: teacher scores, routing replay): the learner lays out their host
+fields with the rollouts (``GradedRollouts.fields``), runs each one's device part before the
+record's ``prepare`` and hands it the step's metrics (``finish``); it knows none of them.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import numpy as np
 
 from jaxrlvr import config as config_lib
 from jaxrlvr import rollout
-from jaxrlvr import teachers as teachers_lib
 from jaxrlvr.algos import algorithm as algorithm_lib
-from jaxrlvr.algos import loss_config, routing
+from jaxrlvr.algos import loss_config
 from jaxrlvr.algos import step as step_lib
 
 
@@ -75,6 +74,7 @@ class Learner:
       compiled: the record compiled for the configured count; mesh, shardings: its placement.
       pad_id, max_length: the tokenizer's pad id and the model's positions.
       row_block: (this process's row block, the number of blocks).
+      passes: the run's rollout passes (``passes.RolloutPass``), in order.
     """
 
     def __init__(
@@ -89,8 +89,7 @@ class Learner:
         pad_id: int,
         max_length: int,
         row_block: tuple[int, int],
-        graphdef=None,
-        teachers=None,
+        passes=(),
     ):
         self.rl, self.max_tokens = rl, max_tokens
         self.make_algorithm, self.mesh, self.shardings = make_algorithm, mesh, shardings
@@ -101,13 +100,7 @@ class Learner:
         self.compiled = compiled
         # Parameter copies by version, for the behaviour log-probs of stale batches.
         self._versions: dict[int, object] = {}
-        self._graphdef = graphdef  # the policy's (routing replay and diagnostics)
-        self._route_fns: dict[str, Callable] = {}
-        # On-policy distillation: the registry, and its local teachers by the domains each
-        # serves when they score on device (every teacher local, one process).
-        self.teachers = teachers
-        one = teachers is not None and jax.process_count() == 1
-        self.teacher_groups = teachers.device_groups if one else None
+        self.passes = tuple(passes)
 
     def compiled_for(self, microbatches: int | None = None) -> step_lib.CompiledAlgorithm:
         """The prepare/update compiled for ``microbatches`` (default: the configured count). A
@@ -122,20 +115,9 @@ class Learner:
             )
         return self._compiled[microbatches]
 
-    def shape(
-        self,
-        prompt_ids,
-        completions,
-        scores,
-        rl_step: int,
-        *,
-        teacher_logps=None,
-        teacher_topk=None,
-        domain_ids=None,
-    ):
-        """(host batch, shaping metrics) of the step's rollouts (``rollout.shape``; with
-        ``teacher_logps`` / ``teacher_topk`` / ``domain_ids``, on-policy distillation's
-        fields)."""
+    def shape(self, prompt_ids, completions, scores, rl_step: int, *, fields=None):
+        """(host batch, shaping metrics) of the step's rollouts (``rollout.shape``; ``fields``:
+        the passes' per-token fields, ``GradedRollouts.fields``)."""
         return rollout.shape(
             prompt_ids,
             completions,
@@ -143,9 +125,7 @@ class Learner:
             shaping_config(self.rl, self.max_tokens, rl_step, self.shards),
             pad_id=self.pad_id,
             max_length=self.max_length,
-            teacher_logps=teacher_logps,
-            teacher_topk=teacher_topk,
-            domain_ids=domain_ids,
+            fields=fields,
         )
 
     def fit_budget(self, rollouts):
@@ -188,14 +168,14 @@ class Learner:
         of a record that reads ``behaviour_logp`` (GRPO, PPO) also gets it: the same pass run
         with that version's kept parameters (module docstring)."""
         compiled = self.compiled_for(microbatches)
-        rollouts, route_m = self._routes(state, rollouts)
-        if self.teacher_groups is not None and rollouts.domain_ids is not None:
-            rollouts, teacher_m = self._teacher_pass(rollouts)
-            route_m = {**route_m, **teacher_m}
+        pass_m = {}
+        for p in self.passes:
+            rollouts, m = p.device(state, rollouts, step=current)
+            pass_m.update(m)
         fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
         batch, metrics = compiled.prepare(state, fields)
-        if route_m:
-            metrics = {**metrics, **route_m}
+        if pass_m:
+            metrics = {**metrics, **pass_m}
         spec = compiled.algorithm.batch_spec
         if version is not None and "behaviour_logp" in spec.required + spec.optional:
             metrics = dict(metrics)
@@ -208,64 +188,6 @@ class Learner:
                 batch = batch.replace(behaviour_logp=batch.old_logp)
             metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
-
-    def _teacher_pass(self, rollouts):
-        """(rollouts placed on the mesh with their teachers' fields, metrics): the rollouts are
-        placed once (``compiled.prepare`` then moves nothing); each local teacher's pass runs on
-        the whole batch with its parameters as arguments, and each token takes the values of
-        its domain's teacher (``Batch.domain_ids``): ``teacher_logp``, or with
-        ``rl.distill.signal: jsd`` ``teacher_topk_ids`` / ``teacher_topk_logp``
-        (``LocalTeacher.topk``). Metrics per registry domain over its loss tokens (those of
-        ``RolloutSource.teacher_scores``): ``distill/<domain>/reverse_kl`` (k1 of the sampler's
-        log-prob minus the teacher's) and ``teacher_top1_lb``, or for the JSD ``agreement``
-        (the share of sampled tokens equal to the teacher's most likely token)."""
-        jnp = jax.numpy
-        placed = step_lib.shard_batch(rollouts, self.mesh)
-        ids = placed.domain_ids
-        jsd = self.rl.distill.signal == "jsd"
-        top_k = self.rl.distill.top_k if jsd else None
-        fields = teachers_lib.device_scores(self.teacher_groups, placed, top_k=top_k)
-        mask = placed.loss_mask != 0
-        if jsd:
-            hits = {"agreement": placed.labels == fields["teacher_topk_ids"][..., 0]}
-        else:
-            values = (fields["teacher_logp"],)
-            hits = {"teacher_top1_lb": values[0] > np.log(0.5)}
-        sums = {}
-        for j, domain in enumerate(self.teachers.names):
-            m = mask & (ids == j)
-            sums[domain] = {"n": m.sum(), **{k: (m & h).sum() for k, h in hits.items()}}
-            if not jsd:
-                diff = placed.sampler_logp - values[0]
-                sums[domain]["reverse_kl"] = jnp.where(m, diff, 0.0).sum()
-        metrics = {}
-        for domain, s in jax.device_get(sums).items():
-            n = float(s.pop("n"))
-            if n:
-                metrics.update({f"distill/{domain}/{k}": float(v) / n for k, v in s.items()})
-        return placed.replace(**fields), metrics
-
-    def _route_fn(self, name: str) -> Callable:
-        if name not in self._route_fns:
-            fn = getattr(routing, name)
-            self._route_fns[name] = jax.jit(lambda p, b: fn(self._graphdef, p, b))
-        return self._route_fns[name]
-
-    def _routes(self, state, rollouts):
-        """(rollouts with the routes ``rl.routing_replay`` trains on, routing metrics)."""
-        mode, metrics = self.rl.routing_replay, {}
-        recorded = rollouts.routes
-        if self._graphdef is None:
-            return rollouts, metrics
-        if recorded is not None and self.rl.routing_metrics and rollouts.sampler_logp is not None:
-            out = self._route_fn("route_metrics")(state.params, rollouts)
-            metrics = {k: float(v) for k, v in jax.device_get(out).items()}
-        if mode == "r2":
-            live = self._route_fn("trainer_routes")(state.params, rollouts.replace(routes=None))
-            rollouts = rollouts.replace(routes=np.asarray(live).astype(np.int16))
-        elif mode == "none" and recorded is not None:
-            rollouts = rollouts.replace(routes=None)
-        return rollouts, metrics
 
     def keep_version(self, params, t: int) -> None:
         """Before the update of step ``t``: keep a copy of the current parameters (version ``t``)
@@ -283,3 +205,9 @@ class Learner:
         """(new state, metrics): one call per step; the record runs its epochs
         (``rl.epochs_per_step``) itself."""
         return self.compiled_for(microbatches).update(state, batch)
+
+    def finish(self, metrics: dict) -> dict:
+        """The step's prepare and update metrics, on the host, as the passes report them."""
+        for p in self.passes:
+            metrics = p.finish(metrics)
+        return metrics

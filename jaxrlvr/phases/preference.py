@@ -27,7 +27,6 @@ log = prompt_lib.log
 
 class PreferencePhase(base.RLStepsPhase):
     name = "preference"
-    algorithm_phase = "rl"
     reward_metric = "reward_accuracy"
     sections = ("rl", "pref", "optim", "data", "run", "eval")
 

@@ -5,7 +5,7 @@ or k steps ahead on a background thread with ``rl.max_staleness`` = k > 0), the 
 (``phases.learner``) shapes them into a batch, prepares it on the mesh and updates the state,
 the source hands the sampler the new weights, and ``step_metrics`` assembles the step's line
 (the shaping's, prepare's and update's metrics, the source's, throughput and times). The method
-(GRPO and its variants, PPO, expert iteration) is the record ``methods.make_algorithm`` builds
+(GRPO and its variants, PPO, expert iteration) is the record ``algos.registry.build`` builds
 for ``rl.algo``; this phase knows none of their insides, the learner none of sampling, the
 source none of losses.
 
@@ -32,7 +32,6 @@ from jaxrlvr.phases import base, learner, sources
 
 class RLPhase(base.RLStepsPhase):
     name = "rl"
-    algorithm_phase = "rl"
     reward_metric = "reward_mean"
     samples_train_prompts = True
     sections = ("rl", "sampler", "optim", "data", "run", "eval")
@@ -102,8 +101,7 @@ class RLPhase(base.RLStepsPhase):
             pad_id=ctx.pad_id,
             max_length=ctx.model_cfg.max_position_embeddings,
             row_block=ctx.row_block,
-            graphdef=ctx.graphdef if ctx.model_cfg.is_moe else None,
-            teachers=ctx.teachers,
+            passes=ctx.passes,
         )
 
     def state_dict(self):
@@ -130,9 +128,7 @@ class RLPhase(base.RLStepsPhase):
                 graded.completions,
                 graded.scores,
                 t,
-                teacher_logps=graded.teacher_logps,
-                teacher_topk=graded.teacher_topk,
-                domain_ids=graded.domain_ids,
+                fields=graded.fields,
             )
             rollouts, microbatches = self.learner.fit_budget(rollouts)
         out["tokens/microbatches"] = microbatches
@@ -147,13 +143,14 @@ class RLPhase(base.RLStepsPhase):
         with timer.phase("update"):
             self.state, update_m = self.learner.update(self.state, batch, microbatches)
             update_m, prepare_m = jax.device_get((update_m, prepare_m))
+        device_m = self.learner.finish({**prepare_m, **update_m})
         self.source.wait(timer)
         with timer.phase("sync"):
             sync = self.source.sync(self.state.params, version=t + 1)
         self.position += 1
         return step_metrics(
             out,
-            {**prepare_m, **update_m},
+            device_m,
             graded,
             sync,
             timer,

@@ -18,6 +18,7 @@ import jax
 
 from jaxrlvr import prompts as prompt_lib
 from jaxrlvr import rollout
+from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
 from jaxrlvr.data import iterators, loading, shards, templates
 from jaxrlvr.phases import base
@@ -25,7 +26,6 @@ from jaxrlvr.phases import base
 
 class SFTPhase(base.Phase):
     name = "sft"
-    algorithm_phase = "sft"
     sections = ("sft", "rl", "data", "run")
 
     @classmethod
@@ -55,12 +55,20 @@ class SFTPhase(base.Phase):
             return [base.DataFile("data.train", cfg.data.train, sft.batch_size, "sft.batch_size")]
         return [base.DataFile("sft.data", sft.data, sft.batch_size, "sft.batch_size")]
 
+    @classmethod
+    def method(cls, cfg):
+        return registry.SFT
+
     @property
     def total_steps(self) -> int:
         return self.cfg.sft.steps
 
     def postfix(self, metrics):
         return {"phase": "sft", "loss": f"{metrics.get('sft/loss', float('nan')):.3f}"}
+
+    def report(self, summary):
+        after = base.accuracy_text(summary["eval_accuracy_after_sft"])
+        return [f"held-out accuracy after SFT warm start: {after}"]
 
     def summary(self, evals):
         out = {"sft_steps": self.position}

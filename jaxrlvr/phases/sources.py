@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import distributed, prompts
+from jaxrlvr import distributed
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import iterators, loading, shards
 from jaxrlvr.envs import multi_turn
@@ -45,12 +45,9 @@ class GradedRollouts:
       version: the weight version that sampled the batch when the learner needs its behaviour
         log-probs (stale batches with ``rl.behaviour_logprobs``), else None.
       generate_s: seconds the asynchronous generation took (None: sampled in the step).
-      teacher_logps: with teachers (``rl.algo: distill``) scored on the host, each
-        completion token's log-prob under its problem's teacher (``teacher_scores``), else None.
-      teacher_topk: the same for ``rl.distill.signal: jsd``: per completion, the teacher's
-        (ids [L, K], log-probs [L, K]) of its top-k tokens at each completion token.
-      domain_ids: with local teachers scoring on device (``Learner.prepare``), each
-        completion's problem domain as ``TeacherRegistry.index`` numbers it, else None.
+      fields: the rollout passes' host fields (``passes.RolloutPass.host``): ``Batch`` field
+        name -> per completion an array [L] or [L, K] over its tokens (``rollout.shape`` lays
+        them out).
     """
 
     prompts: list[list[int]]
@@ -59,9 +56,7 @@ class GradedRollouts:
     metrics: dict[str, float]
     version: int | None = None
     generate_s: float | None = None
-    teacher_logps: list[np.ndarray] | None = None
-    teacher_topk: list[tuple[np.ndarray, np.ndarray]] | None = None
-    domain_ids: list[int] | None = None
+    fields: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class RolloutSource:
@@ -123,18 +118,10 @@ class RolloutSource:
         """The sampler's ``n`` completions of each prompt."""
         return self.ctx.sampler.generate(prompt_ids, n, params)
 
-    def _generate(self, problems, n, seed):
-        ctx = self.ctx
-        prompt_ids = ctx.encode_prompts(problems)
-        if self.sampler_cfg.kind != "jax":  # vLLM seeds prompt i with seed + i: global index
-            seed += ctx.row_block[0] * len(problems)
-        params = prompts.sampling_params(self.sampler_cfg, ctx.tokenizer, seed=seed)
-        completions = self.generate(problems, prompt_ids, n, params)
-        if len(completions) != len(prompt_ids) * n:
-            raise RuntimeError(
-                f"sampler returned {len(completions)} completions for {len(prompt_ids)} x {n}"
-            )
-        return prompt_ids, completions
+    def _first(self, problems) -> int:
+        """The index of this process's first problem among every process's of the step (the
+        shares are equal: one per row block), for ``RunContext.sample``'s seeding rule."""
+        return self.ctx.row_block[0] * len(problems)
 
     def score(self, problems, completions, n) -> tuple[list[dict], grading.GradingStats]:
         """The grader's scores of ``n`` completions per problem."""
@@ -160,14 +147,28 @@ class RolloutSource:
         if rl.difficulty_filter:
             candidates = problems
             k = rl.difficulty_filter_k
-            _, comps = self._generate(candidates, k, step_seed + 104729)
-            scores, _ = self.score(candidates, comps, k)
+            *_, scores, _ = self.ctx.sample_and_grade(
+                candidates,
+                k,
+                self.sampler_cfg,
+                seed=step_seed + 104729,
+                first=self._first(candidates),
+                generate=self.generate,
+                score=self.score,
+            )
             rates = np.asarray([s["answer_reward"] for s in scores]).reshape(-1, k).mean(1)
             informative = [p for p, r in zip(candidates, rates) if 0 < r < 1]
             rest = [p for p, r in zip(candidates, rates) if not 0 < r < 1]
             problems = (informative + rest)[: len(candidates) // 2]
             m["filter/informative_fraction"] = len(informative) / len(candidates)
-        prompt_ids, completions = self._generate(problems, rl.group_size, step_seed)
+        prompt_ids, completions = self.ctx.sample(
+            problems,
+            rl.group_size,
+            self.sampler_cfg,
+            seed=step_seed,
+            first=self._first(problems),
+            generate=self.generate,
+        )
         return problems, prompt_ids, completions, m
 
     def _rollout_job(self, rl_step: int):
@@ -224,65 +225,14 @@ class RolloutSource:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        teacher_f, teacher_m = {}, {}
-        teachers = self.ctx.teachers
-        if teachers is not None:
-            g = self.rl.group_size
-            domains = [problems[i // g].domain or "default" for i in range(len(completions))]
-            if teachers.device_groups is not None and jax.process_count() == 1:
-                # Local teachers score the placed batch in ``Learner.prepare``, by domain.
-                teacher_f = {"domain_ids": [teachers.index(d) for d in domains]}
-            else:
-                with timer.phase("teacher"):
-                    teacher_f, teacher_m = self.teacher_scores(domains, prompt_ids, completions)
-        metrics = {**sample_m, **grading_stats.as_metrics(), **m, **teacher_m}
-        return GradedRollouts(
-            prompt_ids, completions, scores, metrics, version, generate_s, **teacher_f
-        )
-
-    def teacher_scores(self, domains, prompt_ids, completions):
-        """(``GradedRollouts``' teacher fields, metrics): each completion scored by its
-        problem's teacher (``domains``: per completion) through the run's ``TeacherRegistry``
-        (local or vLLM teachers) on the host, each teacher asked once: its log-probs
-        (``teacher_logps``), or with ``rl.distill.signal: jsd`` its top-k (``teacher_topk``).
-        Metrics per domain (the registry's: ``TeacherRegistry.routed``) over the sampled tokens
-        (environment tokens of multi-turn trajectories excluded). Reverse KL:
-        ``distill/<domain>/reverse_kl`` (k1: mean of log p_sampler - log p_teacher) and
-        ``distill/<domain>/teacher_top1_lb``, the share of tokens whose teacher probability
-        exceeds 1/2 (certainly the teacher's argmax: a lower bound of the agreement; the exact
-        one needs the top-k). JSD: ``distill/<domain>/agreement``, the share of sampled tokens
-        equal to the teacher's most likely token."""
-        registry, d = self.ctx.teachers, self.rl.distill
-        prompts_n = [prompt_ids[i // self.rl.group_size] for i in range(len(completions))]
-        tokens = [c.token_ids for c in completions]
-        if d.signal == "jsd":
-            got = registry.completion_topk(prompts_n, tokens, domains, d.top_k)
-            fields = {"teacher_topk": got}
-        else:
-            got = registry.completion_logprobs(prompts_n, tokens, domains)
-            fields = {"teacher_logps": got}
-        sums: dict[str, list[float]] = {}
-        for domain, c, value in zip(domains, completions, got):
-            forced = getattr(c, "forced", None) or [False] * len(c.token_ids)
-            keep = ~np.asarray(forced, bool) if c.token_ids else np.zeros(0, bool)
-            if not c.logprobs or not keep.any():
-                continue
-            acc = sums.setdefault(registry.routed(domain), [0.0, 0.0, 0.0])
-            if d.signal == "jsd":
-                top1 = (value[0][:, 0] == np.asarray(c.token_ids))[keep]
-            else:
-                acc[0] += float((np.asarray(c.logprobs, np.float64) - value)[keep].sum())
-                top1 = value[keep] > np.log(0.5)
-            acc[1] += float(top1.sum())
-            acc[2] += float(keep.sum())
-        metrics = {}
-        for domain, (kl, top1, n) in sums.items():
-            if d.signal == "jsd":
-                metrics[f"distill/{domain}/agreement"] = top1 / n
-            else:
-                metrics[f"distill/{domain}/reverse_kl"] = kl / n
-                metrics[f"distill/{domain}/teacher_top1_lb"] = top1 / n
-        return fields, metrics
+        fields, pass_m = {}, {}
+        for p in self.ctx.passes:  # each pass's host part (teacher scores, route checks)
+            with timer.phase(p.name):
+                f, pm = p.host(problems, prompt_ids, completions)
+            fields.update(f)
+            pass_m.update(pm)
+        metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
+        return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
         """The one place the trainer waits for rollouts: step t + k's batch must be finished by

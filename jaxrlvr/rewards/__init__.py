@@ -8,13 +8,12 @@ Plain host-side Python (no JAX). The submodules:
 - ``language``: DeepSeek-R1's language-consistency reward (``reward.language``).
 - ``grading``: ``GradingPool``, a process pool with a per-call deadline, and ``GradingStats``.
 - ``code``: ``code_reward_fn`` (``reward.fn: code``), ``CodeTask`` (a code problem's tests),
-  ``CodeRewardConfig``; ``sandbox``: ``Sandbox``, the warm bubblewrap sandbox that runs the
-  programs (docs/code.md).
+  ``CodeRewardConfig``; the programs run in ``jaxrlvr.sandbox`` (docs/code.md).
 
 The names below are re-exported for the training loop and users.
 """
 
-from jaxrlvr.rewards import code, grading, math_equiv, sandbox, verifiers
+from jaxrlvr.rewards import code, grading, math_equiv, verifiers
 from jaxrlvr.rewards.code import CodeRewardConfig, CodeTask, code_reward_fn
 from jaxrlvr.rewards.grading import GradingPool, GradingStats, grade_in_process
 from jaxrlvr.rewards.math_equiv import is_equivalent

@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from jaxrlvr.rewards import sandbox as sandbox_lib
+from jaxrlvr import sandbox as sandbox_lib
 
 CodeMode = Literal["fraction", "all_pass"]
 Extract = Literal["block", "raw"]

@@ -23,6 +23,9 @@ pair made the demo's 256-pair step cost 12 ms of pipe round trips against 1 ms o
 worker sends each pair's scores back as soon as it has them, so each pair still has its own
 deadline (counted from the previous pair's reply), and the pair a killed worker was on is known
 exactly; the chunk's pairs it had not reached are handed to the next idle worker.
+
+``Grader`` is what a run grades with: its reward function, its pool, and the problems' truths
+(by domain for a task mixture).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
@@ -368,3 +372,30 @@ class GradingPool:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+@dataclasses.dataclass(eq=False)
+class Grader:
+    """A run's reward function and the grading pool that runs it time-bounded: what a command
+    grades completions of problems with (``builders.build_grader``).
+
+    The pool serves one call at a time (the async producer grades the difficulty filter's
+    candidates on its own thread), hence the lock.
+    """
+
+    reward_fn: Callable[[str, Any], dict[str, float]]
+    pool: GradingPool
+    # A task mixture's ``verifiers.domain_reward_fn``: each truth is (domain, answer).
+    by_domain: bool = False
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def grade(self, problems: Sequence[Any], texts: list[str], n: int):
+        """(scores, stats) of ``n`` completions per problem (problem-major); a problem is
+        anything with ``answer`` (and ``domain`` for a mixture): ``data.loading.Problem``."""
+        truths = [(p.domain, p.answer) if self.by_domain else p.answer for p in problems]
+        truths = [t for t in truths for _ in range(n)]
+        with self._lock:
+            return self.pool.grade(self.reward_fn, texts, truths)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -140,6 +140,31 @@ class VersionGate:
                 self._cond.notify_all()
 
 
+class UnservableModelError(ValueError):
+    """A model vLLM would serve as a different function than the trainer computes."""
+
+
+def check_servable(cfg: Any) -> None:
+    """Refuse, in one line naming the field, a model whose vLLM implementation differs from the
+    trainer's (and transformers'), so that rollouts would come from another network than the one
+    trained. Found in vLLM's model code (``vllm/model_executor/models/qwen3.py`` and
+    ``qwen3_moe.py``): with ``attention_bias`` the attention builds its fused q/k/v projection
+    with a bias but ``o_proj`` without one (``RowParallelLinear(..., bias=False)``), where
+    transformers' Qwen3 and Qwen3-MoE give ``o_proj`` a bias too (measured: 0.5 nats between the
+    served and trained prompt log-probs of a tiny Qwen3). Qwen2 (fixed q/k/v biases, no o bias),
+    Qwen3-MoE's sparse-layer rule (``mlp_only_layers``, ``decoder_sparse_step``), its
+    ``norm_topk_prob`` and tied embeddings are served as the trainer computes them. ``cfg``:
+    the policy's ``ModelConfig`` (None: nothing to check)."""
+    if cfg is None:
+        return
+    if cfg.model_type in ("qwen3", "qwen3_moe") and cfg.attention_bias:
+        raise UnservableModelError(
+            f"model.attention_bias=true with sampler.kind=vllm: vLLM's {cfg.model_type} builds "
+            "o_proj without a bias (the trainer, like transformers, has one), so its rollouts "
+            "would come from another function; use sampler.kind=jax or attention_bias=false"
+        )
+
+
 def completion_request(
     model: str, prompt: Sequence[int], n: int, params: base.SamplingParams, seed: int | None
 ) -> dict[str, Any]:
@@ -301,6 +326,7 @@ class VLLMSampler:
                 "need max_retries >= 0, backoff_s >= 0, timeout_s > 0, max_concurrency >= 1; got "
                 f"{max_retries}, {backoff_s}, {timeout_s}, {max_concurrency}"
             )
+        check_servable(cfg)
         if isinstance(servers, str | vllm_server.VLLMServer):
             servers = [servers]
         if not servers:
@@ -510,7 +536,7 @@ class VLLMSampler:
         token has no context), entry j maps token id -> log p(token | sequence[:j]) for the
         sequence's own token j and the ``top_k`` most likely tokens there (vLLM reports -inf as
         -9999). Requests run concurrently with the same retries and server recovery as
-        ``generate``. Used by ``sampling.vllm_teacher``.
+        ``generate``. Used by ``teachers.vllm``.
         """
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")

@@ -49,6 +49,7 @@ from jaxrlvr.sampling import base as sampling_base
 from jaxrlvr.sampling.bind import UnsafeBindError, check_bind_host, is_loopback  # noqa: F401
 
 DEFAULT_KV_CACHE_BYTES = 64 * 1024**2
+PYTHON_ENV = "JAXRLVR_VLLM_PYTHON"  # the interpreter with vLLM, when none is given
 SERVED_MODEL_NAME = "jaxrlvr-policy"
 
 # Servers run in their own process group (so that stop() reaches vLLM's engine processes), which
@@ -150,6 +151,16 @@ def lora_server_args(rank: int, max_loras: int = 2) -> list[str]:
     return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", str(max_loras)]
 
 
+def server_python(python: str | None = None) -> tuple[str, str]:
+    """(the interpreter that runs a server, where it came from): ``python`` ("given"), else
+    ``$JAXRLVR_VLLM_PYTHON`` (``PYTHON_ENV``), else this interpreter ("this interpreter")."""
+    if python:
+        return python, "given"
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV], PYTHON_ENV
+    return sys.executable, "this interpreter"
+
+
 class VLLMServer:
     """A vLLM server child process on one model directory.
 
@@ -222,7 +233,7 @@ class VLLMServer:
         self.gpus = tuple(str(g) for g in gpus)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.model_dir = os.fspath(model_dir)
-        self.python = python or os.environ.get("JAXRLVR_VLLM_PYTHON") or sys.executable
+        self.python = server_python(python)[0]
         self.host = host
         self.port = port or pick_free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
         self.max_model_len = max_model_len

@@ -302,7 +302,7 @@ def test_distill_record_trains_the_student_towards_the_teacher():
     rollouts = rollouts.replace(teacher_logp=teacher_logp)
     mask = np.asarray(rollouts.loss_mask)
     with pytest.raises(ValueError, match="distill.signal='jsd' trains over the teacher's top-k"):
-        distill.DistillUpdateConfig(distill=distill.DistillConfig(signal="jsd"))
+        distill.DistillUpdateConfig(distill=distill.DistillConfig(signal="jsd", top_k=None))
     with pytest.raises(ValueError, match="^loss.kl_coef does not apply to distill.signal='jsd'"):
         distill.DistillUpdateConfig(
             distill=distill.DistillConfig(signal="jsd", top_k=4), loss=PLC(kl_coef=0.1)

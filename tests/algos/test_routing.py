@@ -213,7 +213,7 @@ def test_vllm_routes_from_the_documented_response():
 
 def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
     from jaxrlvr import config as config_lib
-    from jaxrlvr import preflight
+    from jaxrlvr import configlib, preflight
 
     cfg = config_lib.load_config(
         "configs/demo_moe.yaml",
@@ -224,7 +224,7 @@ def test_preflight_refuses_r3_on_a_cpu_vllm(tmp_path):
             "sampler.vllm_device=cpu",
         ],
     )
-    with pytest.raises(preflight.PreflightError, match="routing_replay=r3.*CPU"):
+    with pytest.raises(configlib.PreflightError, match="routing_replay=r3.*CPU"):
         preflight.check_routing_replay(cfg)
 
 
@@ -330,3 +330,142 @@ def test_r2_routes_are_the_trainers_own_and_pin_later_epochs(lm, completions):
     np.testing.assert_array_equal(
         pinned, _logp(lm2, batch.replace(routes=r2.astype(np.int32)))
     )  # the first epoch's experts, whatever their integer dtype
+
+
+MIXED = dataclasses.replace(CFG, num_hidden_layers=3, mlp_only_layers=(0,))  # dense, MoE, MoE
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.__setitem__((0, 2, 1, 0), 8), r"Batch.routes\[0, 2, 1, 0\] = 8: .*\[-1, 8\)"),
+        (lambda r: r.__setitem__((0, 1, 0, 1), -2), r"Batch.routes\[0, 1, 0, 1\] = -2"),
+        (lambda r: r.__setitem__((0, 3, 1), [5, 5]), r"Batch.routes\[0, 3, 1, 1\] = 5: .*twice"),
+    ],
+)
+def test_bad_forced_routes_are_refused_in_one_line(edit, message):
+    """An id outside [-1, E) or twice in one token's set is refused naming the field, the
+    value and its index, before any compute (an id >= E used to give NaN logits)."""
+    from jaxrlvr.algos import routing
+
+    routes = np.tile(np.array([0, 1], np.int8), (1, 5, 2, 1))
+    edit(routes)
+    with pytest.raises(routing.RouteError, match=message) as err:
+        routing.to_model(routes, CFG)
+    assert "\n" not in str(err.value)
+    routes[:] = -1  # -1 twice is "live top-k", not a repeat
+    routing.to_model(routes, CFG)
+
+
+def test_route_layer_axis_must_be_every_layer_or_every_moe_layer():
+    from jaxrlvr.algos import routing
+
+    with pytest.raises(routing.RouteError, match=r"axis 2\) of size 1 is neither every decoder "):
+        routing.to_model(np.zeros((1, 4, 1, 2), np.int32), MIXED)
+    with pytest.raises(routing.RouteError, match="need.*MoE model"):
+        routing.to_model(np.zeros((1, 4, 2, 2), np.int32), dataclasses.replace(CFG, **_DENSE))
+    # every decoder layer: the dense layer's row is not read (vLLM writes 0 0 there)
+    every = np.array([[[[0, 0], [1, 2], [3, 4]]]], np.int32)
+    routing.to_model(every, MIXED)
+    with pytest.raises(routing.RouteError, match=r"Completion.routes\[0, 2, 1\] = 3: .*twice"):
+        routing.check_routes(
+            np.array([[[0, 0], [1, 2], [3, 3]]]),
+            num_experts=8,
+            sparse_layers=MIXED.sparse_layers,
+            k=2,
+            field="Completion.routes",
+        )
+
+
+_DENSE = dict(model_type="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+
+
+@pytest.mark.slow
+def test_routes_over_the_moe_layers_only_equal_routes_over_every_layer():
+    """A mixed layout (layer 0 dense) forced with routes over its 2 MoE layers: laid out as
+    routes over all 3 layers with an unread -1 row at the dense layer, and the forward runs
+    (it used to fail deep in the layer loop with a reshape TypeError)."""
+    from jaxrlvr.algos import routing
+
+    lm = M.CausalLM(MIXED, rngs=nnx.Rngs(2))
+    batch = rollout.to_batch(rollout.pack([[1, 5]], [[9, 13, 2, 7]], pad_id=0))
+    t = batch.input_ids.shape[1]
+    rng = np.random.default_rng(0)
+    moe_only = np.stack([[rng.permutation(8)[:2] for _ in range(2)] for _ in range(t)])[None]
+    moe_only = moe_only.astype(np.int16)
+    every = routing.layout(moe_only, MIXED.sparse_layers)
+    assert every.shape == (1, t, 3, 2) and (every[:, :, 0] == -1).all()
+    np.testing.assert_array_equal(every[:, :, 1:], moe_only)
+    # The decoder gets the same forced experts either way (one forward shows it runs).
+    np.testing.assert_array_equal(routing.to_model(moe_only, MIXED), routing.to_model(every, MIXED))
+    assert np.isfinite(_logp(lm, batch.replace(routes=moe_only))).all()
+
+
+def test_replay_on_a_dense_model_is_refused_in_one_line():
+    """``rl.routing_replay: r3`` (or r2) on a dense model used to train on, replaying nothing;
+    the routing pass refuses it when the run is assembled, naming the field."""
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import configlib
+    from jaxrlvr.passes import routing_replay
+
+    dense = dataclasses.replace(CFG, **_DENSE)
+    for mode in ("r3", "r2"):
+        cfg = config_lib.load_config("configs/demo.yaml", [f"rl.routing_replay={mode}"])
+        with pytest.raises(configlib.ConfigKeyError, match=rf"rl.routing_replay={mode}: .*dense"):
+            routing_replay.RoutingReplay.from_config(cfg, model_cfg=dense, graphdef=None)
+    cfg = config_lib.load_config("configs/demo.yaml", [])
+    assert routing_replay.RoutingReplay.from_config(cfg, model_cfg=dense, graphdef=None) is None
+
+
+@pytest.mark.slow
+def test_basic_routing_metrics_come_from_the_update_forward(lm, completions):
+    """``rl.routing_metrics: basic`` with replay off: the pass moves the recorded routes to
+    ``sampler_routes`` and builds no forward of its own; the update's forward (one epoch: the
+    parameters before the step) reports the disagreement, equal to ``routing.disagreement`` of
+    a separate forward's live routes (counts: exact), over 2 microbatches."""
+    import optax
+
+    from jaxrlvr.algos import grpo, routing
+    from jaxrlvr.passes import routing_replay
+
+    routes = _other_routes(completions, seed=2)
+    _, batch = _rows(completions, routes, batch_size=4)
+    batch = batch.replace(
+        advantages=np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
+        sampler_logp=np.zeros(batch.input_ids.shape, np.float32),
+    )
+    graphdef, params = nnx.split(lm, nnx.Param)
+    rp = routing_replay.RoutingReplay(CFG, graphdef, mode="none", metrics="basic")
+    fed, pass_m = rp.device(None, batch, step=0)
+    assert pass_m == {} and not rp._fns and fed.routes is None
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.0), grpo.GRPOUpdateConfig(num_microbatches=2))
+    state = algo.init(params, 0)
+    _, metrics = jax.jit(algo.update)(state, algo.prepare(state, fed)[0])
+    got = rp.finish(jax.device_get(metrics))
+    _, _, router = lm.backbone(
+        jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask), with_router=True
+    )
+    live = np.transpose(np.asarray(router.expert_ids), (1, 2, 0, 3))
+    want = routing.disagreement(batch.routes, live, batch.attention_mask)
+    assert want["routing/disagree"] > 0.1  # other experts than the live ones
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-6), k
+    assert not any("/_" in k for k in got)
+
+
+def test_completion_routes_from_a_sampler_are_checked_before_packing(completions):
+    """The routing pass checks each completion's routes on the host (a vLLM response's too),
+    naming the completion, the field and the position."""
+    from jaxrlvr.algos import routing
+    from jaxrlvr.passes import routing_replay
+
+    rp = routing_replay.RoutingReplay(CFG, None, mode="r3")
+    assert rp.host(None, PROMPTS, completions) == ({}, {})
+    routes = np.array(completions[1].routes)
+    routes[2, 1] = [9, 1]
+    bad = list(completions)
+    bad[1] = dataclasses.replace(completions[1], routes=routes)
+    with pytest.raises(
+        routing.RouteError, match=r"^completion 1: Completion.routes\[2, 1, 0\] = 9"
+    ):
+        rp.host(None, PROMPTS, bad)

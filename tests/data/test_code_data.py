@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-from jaxrlvr import builders, configlib, data
+from jaxrlvr import builders, configlib, data, sandbox
 from jaxrlvr import config as config_lib
 from jaxrlvr.data import code_loading, synthetic_code
-from jaxrlvr.rewards import code, sandbox
+from jaxrlvr.rewards import code
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None and os.environ.get("CI") != "1",

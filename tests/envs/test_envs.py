@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from jaxrlvr import envs
+from jaxrlvr import envs, sandbox
 from jaxrlvr.data import multiplication
 from jaxrlvr.envs import calculator
-from jaxrlvr.rewards import sandbox, verifiers
+from jaxrlvr.rewards import verifiers
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib
-from jaxrlvr.rewards import code, grading, sandbox
+from jaxrlvr import configlib, sandbox
+from jaxrlvr.rewards import code, grading
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None and os.environ.get("CI") != "1",
@@ -153,9 +153,9 @@ def test_build_grader_without_bwrap_is_one_line_naming_it(monkeypatch, tmp_path)
 def test_build_grader_sandbox_none_warns_and_grades(capfd):
     from jaxrlvr import builders
 
-    reward_fn, pool = builders.build_grader(_code_cfg(sandbox="none", num_workers=1))
-    with pool:
+    grader = builders.build_grader(_code_cfg(sandbox="none", num_workers=1))
+    with grader.pool:
         assert "WITHOUT a sandbox" in capfd.readouterr().err
-        scores, _ = pool.grade(reward_fn, [CORRECT], [TASK.to_json()])
+        scores, _ = grader.pool.grade(grader.reward_fn, [CORRECT], [TASK.to_json()])
     assert scores[0]["reward"] == 1.0
-    assert pool.timeout_s >= code.CodeRewardConfig().program_timeout_s
+    assert grader.pool.timeout_s >= code.CodeRewardConfig().program_timeout_s

@@ -35,7 +35,7 @@ def test_jax_and_vllm_greedy_samples_give_the_same_report(vllm_server, tiny_expo
         max_problems=6, samples_per_problem=4, pass_k=(1, 4), maj_k=(4,)
     )
     reward = verifiers.make_reward_fn(verifiers.RewardConfig(name="synthetic"))
-    grader = phases_base.Grader(reward, grading.GradingPool(num_workers=1, timeout_s=10.0))
+    grader = grading.Grader(reward, grading.GradingPool(num_workers=1, timeout_s=10.0))
     out = {}
     try:
         model = nnx.merge(tiny_export["graphdef"], state["params"])

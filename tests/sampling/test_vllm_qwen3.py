@@ -51,9 +51,9 @@ def family_config(family: str, vocab_size: int) -> jmodel.ModelConfig:
             norm_topk_prob=True,
             **common,
         )
-    # attention_bias stays off, as in every released Qwen3: vLLM 0.32's Qwen3 has q/k/v biases but
-    # no o_proj bias (transformers has all four), so a biased Qwen3 is served wrongly (measured:
-    # log-prob gaps of 0.2).
+    # attention_bias stays off, as in every released Qwen3: vLLM's Qwen3 has q/k/v biases but no
+    # o_proj bias (transformers has all four), so a biased Qwen3 is refused for vLLM
+    # (``vllm_sampler.check_servable``; test below).
     return jmodel.ModelConfig(intermediate_size=256, **common)
 
 
@@ -123,3 +123,19 @@ def test_jax_sampler_decodes_the_family_with_matching_logprobs(helpers):
     assert all(len(c.token_ids) == 10 for c in out)
     ref = helpers.reference_logprobs(graphdef, params, PROMPTS, out)
     assert _max_gap(out, ref) < ATOL
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_a_model_vllm_would_serve_differently_is_refused_in_one_line(family):
+    """Qwen3 / Qwen3-MoE with ``attention_bias``: vLLM builds o_proj without a bias, so the
+    sampler is refused before any server is asked (the URL is never contacted), naming the
+    field; the families vLLM serves as trained pass (the servers above)."""
+    import dataclasses
+
+    biased = dataclasses.replace(family_config(family, vocab_size=512), attention_bias=True)
+    with pytest.raises(
+        vllm_sampler.UnservableModelError, match=r"^model\.attention_bias=true "
+    ) as e:
+        vllm_sampler.VLLMSampler(biased, "http://127.0.0.1:9")
+    assert "\n" not in str(e.value) and "sampler.kind=vllm" in str(e.value)
+    vllm_sampler.check_servable(family_config(family, vocab_size=512))

@@ -1,4 +1,4 @@
-"""The vLLM teacher (jaxrlvr.sampling.vllm_teacher) against the local JAX teacher on the same
+"""The vLLM teacher (jaxrlvr.teachers.vllm) against the local JAX teacher on the same
 weights and tokens, with the session's real CPU vLLM server (float32)."""
 
 import numpy as np
@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxrlvr import model as jmodel
 from jaxrlvr import rollout, teachers
-from jaxrlvr.sampling import vllm_teacher
+from jaxrlvr.teachers import vllm as vllm_teacher
 
 pytestmark = pytest.mark.vllm
 

@@ -1,30 +1,22 @@
-"""Teachers for on-policy distillation, chosen per problem by its source or domain (the
-Qwen3-Coder-Next pattern: a math teacher and a code teacher distilled into one student).
+"""Teachers chosen per problem by its domain (the Qwen3-Coder-Next pattern: a math teacher and a
+code teacher distilled into one student), loaded and checked once.
 
 A teacher is anything with ``name``, ``vocab_size``, ``tokenizer`` (an HF tokenizer, its folder,
 or None) and ``completion_logprobs(prompts, completions) -> [float32 array per completion]``:
-the local JAX teacher (``LocalTeacher``, here) and the vLLM teacher
-(``sampling.vllm_teacher.VLLMTeacher``). ``load_teacher`` makes one from a folder or a URL.
-
-``LocalTeacher`` is a frozen decoder beside the student: any checkpoint or Hugging Face folder
-``model.load_hf`` loads (any size or family the decoder serves), with the student's tokenizer.
-Its log-prob pass is the student's own (``engine.make_logprob_fn``: the same backbone call,
-packing and shared-prompt fields, position chunks of the head, microbatches) run with the
-teacher's graph definition and parameters, jitted with the parameters as arguments (a program
-that closed over them would hold them as constants). On a mesh its parameters are placed by the
-model's sharding rules, beside the student's. ``batch_logprobs(batch)`` is the device pass on a
-training batch (the rollouts' ``teacher_logp``, ``algos.distill``); ``topk(batch, k)`` the
-teacher's k most likely next tokens at every position (the JSD over the teacher's top-k);
-``completion_logprobs`` the host interface it shares with the vLLM teacher.
+the local JAX teacher (``teachers.local.LocalTeacher``) and the vLLM teacher
+(``teachers.vllm.VLLMTeacher``). ``load_teacher`` makes one from a folder or a URL;
+``load_registry`` all of a distillation config's, each distinct source once.
 
 ``TeacherRegistry`` maps domains to teachers. ``check`` refuses, in one line each and before any
 compute, a teacher whose tokenizer differs from the student's, a vocabulary that cannot score the
-student's tokens (or differs in size where the full-vocabulary JSD compares logits), and a
-problem domain without a teacher. ``completion_logprobs`` groups completions by their domain's
-teacher, asks each teacher once, and returns the log-probs in the input order.
+student's tokens, and a problem domain without a teacher (``missing_domain``: the one rule, also
+preflight's on the configured domains). ``completion_logprobs`` groups completions by their
+domain's teacher, asks each teacher once, and returns the log-probs in the input order.
+``device_scores`` runs the local teachers on a placed training batch; ``metrics`` are the
+teachers' per-domain figures of a laid-out batch, whichever way it was scored.
 
-Not here: the vLLM teacher (``sampling.vllm_teacher``) and the losses and the record
-(``algos.distill``).
+Not here: the losses and the record (``algos.distill``), when scoring runs (the rollout pass
+``passes.teacher_scores``).
 """
 
 from __future__ import annotations
@@ -36,16 +28,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxrlvr import model as model_lib
-from jaxrlvr import rollout
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import engine
-
-
-class TeacherError(ValueError):
-    """A teacher that cannot be used: unloadable, unreachable, or not matching the student."""
+from jaxrlvr.teachers.local import LocalTeacher, TeacherError
 
 
 class Teacher(Protocol):
@@ -58,6 +43,11 @@ class Teacher(Protocol):
     ) -> list[np.ndarray]: ...
 
 
+def is_url(source: str) -> bool:
+    """Whether a teacher source is a vLLM server (else a folder)."""
+    return source.startswith(("http://", "https://"))
+
+
 def load_teacher(source: str | os.PathLike, *, name: str | None = None, **kwargs) -> Teacher:
     """A teacher from ``source``: an ``http(s)://`` URL is a running vLLM server
     (``VLLMTeacher``), anything else a checkpoint / HF folder (``LocalTeacher.load``; ``kwargs``
@@ -67,171 +57,102 @@ def load_teacher(source: str | os.PathLike, *, name: str | None = None, **kwargs
       TeacherError: the folder cannot be loaded or the server cannot be reached (one line).
     """
     text = os.fspath(source)
-    if text.startswith(("http://", "https://")):
-        from jaxrlvr.sampling import vllm_sampler, vllm_teacher
+    if is_url(text):
+        from jaxrlvr.sampling import vllm_sampler
+        from jaxrlvr.teachers import vllm
 
         try:
-            return vllm_teacher.VLLMTeacher(text, name=name, **kwargs)
+            return vllm.VLLMTeacher(text, name=name, **kwargs)
         except vllm_sampler.VLLMError as e:
             raise TeacherError(str(e)) from None
     return LocalTeacher.load(text, name=name, **kwargs)
 
 
-def _topk_fn(graphdef: nnx.GraphDef, k: int, chunk_size: int | None) -> Any:
-    """``(params, batch) -> (ids [B, T, K] int32, logp [B, T, K] float32)``: the teacher's
-    ``k`` most likely next tokens at every position, the logits in chunks of ``chunk_size``
-    positions (only one chunk's [B, C, V] exists at a time; None: all at once)."""
-
-    def fn(params, batch):
-        lm = nnx.merge(graphdef, params)
-        hidden, _ = batch_lib.run_backbone(lm, batch)
-
-        def top(h):
-            logp = jax.nn.log_softmax(lm.lm_logits(h).astype(jnp.float32), axis=-1)
-            vals, ids = jax.lax.top_k(logp, k)
-            return ids.astype(jnp.int32), vals
-
-        b, t, _ = hidden.shape
-        if chunk_size is None or chunk_size >= t:
-            return top(hidden)
-        n = -(-t // chunk_size)
-        h = jnp.pad(hidden, ((0, 0), (0, n * chunk_size - t), (0, 0)))
-        h = h.reshape(b, n, chunk_size, -1).swapaxes(0, 1)
-        ids, vals = jax.lax.map(top, h)
-
-        def merge(x):
-            return x.swapaxes(0, 1).reshape(b, n * chunk_size, k)[:, :t]
-
-        return merge(ids), merge(vals)
-
-    return fn
+def missing_domain(domains: Sequence[str], sources: Mapping[str, str], default: bool) -> str | None:
+    """The first of ``domains`` that no teacher serves (``sources``: domain -> teacher; with a
+    ``default`` teacher every domain is served), else None: the one rule of which problems a
+    registry can score."""
+    if default:
+        return None
+    return next((d for d in dict.fromkeys(domains) if d not in sources), None)
 
 
-class LocalTeacher:
-    """A frozen JAX teacher (module docstring).
+def load_registry(
+    distill: Any,
+    *,
+    domains: Sequence[str],
+    student_vocab_size: int,
+    student_tokenizer: Any = None,
+    mesh: Any = None,
+    chunk_size: int | None = None,
+) -> TeacherRegistry:
+    """The ``TeacherRegistry`` of a distillation config (``algos.distill.DistillConfig``:
+    ``teacher``, ``teachers``, ``teacher_dtype``): the problems' ``domains`` checked first (a
+    domain without a teacher is refused before any teacher loads), each distinct source loaded
+    once (a folder on ``mesh`` in ``teacher_dtype`` with the log-prob pass's ``chunk_size``, or
+    a vLLM URL), then every teacher checked against the student (``TeacherRegistry.check``).
 
-    Args:
-      graphdef, params: the teacher's ``nnx.split(model, nnx.Param)``.
-      name: how errors and metrics call it (default: the folder it was loaded from, or "teacher").
-      tokenizer: its tokenizer, or the folder to load one from (``check_teacher`` compares it
-        with the student's); None: not checked.
-      num_microbatches, chunk_size, mesh: as ``engine.make_logprob_fn`` (memory bounds of the
-        pass; the mesh keeps microbatches spread over the batch shards).
+    Raises:
+      TeacherError: one line per refusal.
     """
-
-    def __init__(
-        self,
-        graphdef: nnx.GraphDef,
-        params: Any,
-        *,
-        name: str = "teacher",
-        tokenizer: Any = None,
-        num_microbatches: int = 1,
-        chunk_size: int | None = None,
-        mesh: Any = None,
-    ):
-        self.graphdef = graphdef
-        self.params = params
-        self.name = name
-        self.tokenizer = tokenizer
-        self.config = nnx.merge(graphdef, params).config
-        self.num_microbatches = num_microbatches
-        self.chunk_size = chunk_size
-        self.logprob_fn = engine.make_logprob_fn(
-            graphdef, num_microbatches=num_microbatches, chunk_size=chunk_size, mesh=mesh
+    sources = distill.sources
+    domain = missing_domain(domains, sources, distill.teacher is not None)
+    if domain is not None:
+        raise TeacherError(
+            f"no teacher for domain {domain!r} (rl.distill.teachers: {sorted(sources)}); add "
+            "one or set rl.distill.teacher"
         )
-        self._logprobs = jax.jit(lambda p, b: self.logprob_fn(p, b)[0])
-        self._topk: dict[int, Any] = {}
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike,
-        *,
-        dtype: str = "float32",
-        mesh: Any = None,
-        num_microbatches: int = 1,
-        chunk_size: int | None = None,
-        name: str | None = None,
-    ) -> LocalTeacher:
-        """A teacher from a checkpoint / Hugging Face folder (``model.load_hf``; its tokenizer
-        is the folder's when it has one).
-
-        Raises:
-          TeacherError: the folder cannot be loaded (one line: the teacher, then the cause).
-        """
-        path = os.fspath(path)
-        try:
-            lm = model_lib.load_hf(path, dtype=dtype, mesh=mesh)
-        except (model_lib.CheckpointError, model_lib.ConfigError, OSError) as e:
-            raise TeacherError(f"teacher {name or path!r} cannot be loaded: {e}") from None
-        graphdef, params = nnx.split(lm, nnx.Param)
-        has_tok = any(
-            os.path.exists(os.path.join(path, f))
-            for f in ("tokenizer.json", "tokenizer_config.json")
+    local = [s for s in sources.values() if not is_url(s)]
+    if distill.signal == "jsd" and local and jax.process_count() > 1:
+        raise TeacherError(
+            f"rl.distill.signal=jsd with the local teacher {local[0]!r} in a multi-process job: "
+            "a local teacher's top-k is computed on device in one-process jobs only; serve it "
+            "with vLLM (an http:// teacher) or run one process"
         )
-        return cls(
-            graphdef,
-            params,
-            name=name or path,
-            tokenizer=path if has_tok else None,
-            num_microbatches=num_microbatches,
-            chunk_size=chunk_size,
-            mesh=mesh,
-        )
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    def batch_logprobs(self, batch: batch_lib.Batch) -> jax.Array:
-        """log p_teacher(labels) [B, T] float32 of a training batch (0 outside ``loss_mask``
-        when chunked); no gradient. The batch's other fields are ignored."""
-        return jax.lax.stop_gradient(self._logprobs(self.params, _model_fields(batch)))
-
-    def topk(self, batch: batch_lib.Batch, k: int) -> tuple[jax.Array, jax.Array]:
-        """(ids [B, T, k] int32, log-probs [B, T, k] float32) of the teacher's ``k`` most likely
-        next tokens at every position of ``batch``."""
-        if not (isinstance(k, int) and 1 <= k <= self.vocab_size):
-            raise ValueError(f"k must be an integer in [1, {self.vocab_size}], got {k!r}")
-        if k not in self._topk:
-            self._topk[k] = jax.jit(_topk_fn(self.graphdef, k, self.chunk_size))
-        return self._topk[k](self.params, _model_fields(batch))
-
-    def completion_logprobs(
-        self,
-        prompts: Sequence[Sequence[int]],
-        completions: Sequence[Sequence[int]],
-    ) -> list[np.ndarray]:
-        """log p_teacher of each completion token given its prompt and the completion's
-        earlier tokens: one float32 array per completion (host in, host out).
-
-        Rows are laid out by ``rollout.pack`` (power-of-two length buckets: few compilations),
-        their count padded to a multiple of ``num_microbatches``."""
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
-        if any(len(p) < 1 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        rows = -(-len(prompts) // self.num_microbatches) * self.num_microbatches
-        packed = rollout.pack(prompts, completions, pad_id=0, batch_size=rows)
-        logp = np.asarray(self.batch_logprobs(rollout.to_batch(packed)), np.float32)
-        return [
-            logp[i, len(p) - 1 : len(p) - 1 + len(c)].copy()
-            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
-        ]
-
-
-def _model_fields(batch: batch_lib.Batch) -> batch_lib.Batch:
-    """Only the fields a forward pass reads (so one compiled pass serves every method's batch)."""
-    return batch_lib.Batch(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        labels=batch.labels,
-        loss_mask=batch.loss_mask,
-        segment_ids=batch.segment_ids,
-        positions=batch.positions,
-        prompt_group_ids=batch.prompt_group_ids,
+    loaded: dict[str, Teacher] = {}
+    for source in dict.fromkeys(sources.values()):
+        kwargs = {}
+        if not is_url(source):
+            kwargs = {"mesh": mesh, "dtype": distill.teacher_dtype, "chunk_size": chunk_size}
+        loaded[source] = load_teacher(source, **kwargs)
+    registry = TeacherRegistry(
+        {d: loaded[src] for d, src in sources.items()},
+        default="default" if distill.teacher is not None else None,
     )
+    registry.check(
+        domains, student_vocab_size=student_vocab_size, student_tokenizer=student_tokenizer
+    )
+    return registry
+
+
+def metrics(batch: batch_lib.Batch, names: Sequence[str], *, jsd: bool) -> dict[str, float]:
+    """The teachers' figures of a laid-out batch (host NumPy or placed on device alike), per
+    registry domain (``names``, indexed by ``batch.domain_ids``) over its loss tokens: with
+    ``teacher_logp``, ``distill/<domain>/reverse_kl`` (k1: the mean of the sampler's log-prob
+    minus the teacher's) and ``distill/<domain>/teacher_top1_lb`` (the share of tokens whose
+    teacher probability exceeds 1/2: certainly the teacher's argmax, a lower bound of the
+    agreement); with the top-k (``jsd``), ``distill/<domain>/agreement`` (the share of sampled
+    tokens equal to the teacher's most likely token). A domain without loss tokens: none."""
+    mask = jnp.asarray(batch.loss_mask) != 0
+    ids = jnp.asarray(batch.domain_ids)
+    if jsd:
+        hits = {"agreement": jnp.asarray(batch.labels) == batch.teacher_topk_ids[..., 0]}
+    else:
+        teacher = jnp.asarray(batch.teacher_logp)
+        hits = {"teacher_top1_lb": teacher > np.log(0.5)}
+    sums = {}
+    for j, domain in enumerate(names):
+        m = mask & (ids == j)
+        sums[domain] = {"n": m.sum(), **{k: (m & h).sum() for k, h in hits.items()}}
+        if not jsd:
+            diff = jnp.asarray(batch.sampler_logp) - teacher
+            sums[domain]["reverse_kl"] = jnp.where(m, diff, 0.0).sum()
+    out = {}
+    for domain, s in jax.device_get(sums).items():
+        n = float(s.pop("n"))
+        if n:
+            out.update({f"distill/{domain}/{k}": float(v) / n for k, v in s.items()})
+    return out
 
 
 def _vocab(tokenizer: Any) -> dict[str, int] | None:
@@ -338,7 +259,7 @@ class TeacherRegistry:
 
     def routed(self, domain: str) -> str:
         """The registry domain that serves a problem of ``domain`` (itself, or the default)."""
-        if domain in self.teachers:
+        if missing_domain([domain], self.teachers, False) is None:
             return domain
         if self.default is not None:
             return self.default

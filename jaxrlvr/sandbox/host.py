@@ -1,6 +1,7 @@
-"""Run untrusted (model-written) Python programs against tests, inside bubblewrap.
+"""The sandbox's host side: run untrusted (model-written) Python programs against tests, inside
+bubblewrap.
 
-A ``Sandbox`` is one warm ``bwrap`` process running ``sandbox_harness.py`` (see its docstring for
+A ``Sandbox`` is one warm ``bwrap`` process running ``harness.py`` (see its docstring for
 what happens per program). bubblewrap (Debian package ``bubblewrap``) gives the harness:
 
 - its own pid, network, ipc and uts namespaces (``--unshare-*``): no network interface but a
@@ -58,12 +59,12 @@ import time
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from jaxrlvr.rewards import sandbox_harness
+from jaxrlvr.sandbox import harness
 
 SandboxKind = Literal["bwrap", "none"]
 
-HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
-_HARNESS_IN_SANDBOX = "/opt/jaxrlvr/sandbox_harness.py"
+HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+_HARNESS_IN_SANDBOX = "/opt/jaxrlvr/sandbox/harness.py"
 _BWRAP_HINT = (
     "reward.sandbox=bwrap needs bubblewrap, but 'bwrap' is not on PATH "
     "(Debian/Ubuntu: apt-get install bubblewrap; scripts/setup_env.sh installs it when run as "
@@ -619,7 +620,7 @@ class Sandbox:
     def run(
         self, program: str, tests: Sequence[dict] = (), setup: str = "", *, capture: int = 0
     ) -> RunResult:
-        """Run ``program`` (then ``setup``) and each test; see ``sandbox_harness`` for the test
+        """Run ``program`` (then ``setup``) and each test; see ``harness`` for the test
         dicts (``{"expr", "expected"}`` value tests, ``{"stmt"}`` statement tests). A value
         test's ``expected`` (a Python literal) stays in this process: the sandbox gets only
         ``expr`` and sends back the value, which is compared here. ``capture`` > 0: keep the
@@ -724,7 +725,7 @@ def _remove_quietly(path: str, keep_root: bool = False) -> None:
     """The harness's clean-up (no depth or mode stops it), with a generous budget, for the
     host-side directory of ``kind="none"``; what still stays is left to the system's /tmp."""
     try:
-        sandbox_harness.remove_tree(path, keep_root=keep_root, budget_s=120.0)
+        harness.remove_tree(path, keep_root=keep_root, budget_s=120.0)
     except Exception:
         pass
 

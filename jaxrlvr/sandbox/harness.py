@@ -1,6 +1,6 @@
 """The program runner that lives inside the sandbox (standard library only; run as a script).
 
-``sandbox.Sandbox`` starts this file once per sandbox (``python -I -S sandbox_harness.py``) and
+``host.Sandbox`` starts this file once per sandbox (``python -I -S harness.py``) and
 keeps it warm: it reads one JSON request per line on stdin and answers one JSON line on stdout.
 A request is ``{"program", "setup", "tests", "limits"}`` (and optionally ``"capture": N``); each
 test is ``{"expr": src}`` (a value test: the program's process evaluates ``src`` and this harness

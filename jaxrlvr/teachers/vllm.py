@@ -14,8 +14,8 @@ serve-vllm --model TEACHER_DIR``, or a `VLLMServer` started here); its weights n
 Top-k: ``completion_topk`` returns the teacher's k most likely tokens at every completion
 position (vLLM's prompt top-k), for the JSD over the teacher's top-k (``algos.distill``).
 
-Not here: routing problems to teachers and checking tokenizers (``jaxrlvr.teachers``), the local
-JAX teacher (``jaxrlvr.teachers.LocalTeacher``).
+Not here: routing problems to teachers and checking tokenizers (``teachers.registry``), the local
+JAX teacher (``teachers.local``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class VLLMTeacher:
         die, as for rollouts).
       name: how errors and metrics call it (default: the first server's model folder or URL).
       tokenizer: the teacher's tokenizer or its folder (default: a `VLLMServer`'s model folder);
-        ``jaxrlvr.teachers`` compares it with the student's.
+        ``teachers.registry.check_teacher`` compares it with the student's.
       vocab_size: the teacher's vocabulary size (default: read from a `VLLMServer`'s
         config.json; None when only URLs are given).
       timeout_s, max_retries, max_concurrency: as `VLLMSampler`.

@@ -23,7 +23,8 @@ import warnings
 
 import pytest
 
-from jaxrlvr.rewards import code, sandbox
+from jaxrlvr import sandbox
+from jaxrlvr.rewards import code
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None and os.environ.get("CI") != "1",
@@ -357,7 +358,7 @@ def test_sandbox_dies_with_its_grader():
     import sys
 
     script = (
-        "from jaxrlvr.rewards import sandbox\n"
+        "from jaxrlvr import sandbox\n"
         "box = sandbox.Sandbox()\n"
         "print(box._proc.pid, box.uid_base, flush=True)\n"
         "box.run('import time\\ntime.sleep(60)', [{'stmt': 'pass'}])\n"
@@ -692,7 +693,7 @@ def _harness_host_pid(box: sandbox.Sandbox) -> int:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"sandbox_harness.py" not in f.read():
+                if b"sandbox/harness.py" not in f.read():
                     continue
             pid = int(entry)
             while pid > 1:
@@ -723,7 +724,7 @@ def test_remove_tree_is_not_defeated_by_depth_names_or_modes():
     """The harness's clean-up on a tmpfs, as in the sandbox: 3,000 levels (past the recursion
     limit and PATH_MAX), a directory without any permission bits, a non-UTF-8 name with a
     newline, a link out (not followed); and its time budget."""
-    from jaxrlvr.rewards import sandbox_harness
+    from jaxrlvr.sandbox import harness as sandbox_harness
 
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # a tmpfs: rmdir is fast
     root = tempfile.mkdtemp(dir=base)
@@ -754,6 +755,6 @@ def test_sandbox_none_refuses_a_standard_library_others_cannot_read(monkeypatch,
     closed.mkdir(mode=0o700)
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(closed), "platstdlib": ""})
     with pytest.raises(sandbox.SandboxUnavailable) as err:
-        sandbox.check_unsandboxed_python(sandbox.base_python())
+        sandbox.host.check_unsandboxed_python(sandbox.base_python())
     message = str(err.value)
     assert "\n" not in message and str(closed) in message and "0700" in message

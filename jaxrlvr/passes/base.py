@@ -1,0 +1,50 @@
+"""The rollout pass interface (``RolloutPass``) that each pass module implements (``passes``
+says what a pass is and lists them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+from jaxrlvr.algos import batch as batch_lib
+
+Where = Literal["host", "device", "both"]
+
+
+class RolloutPass:
+    """What a pass offers the rollout source and the learner (no-op defaults).
+
+    Class attributes: ``name`` (its timer phase and how errors call it), ``where``, ``fields``
+    (``Batch`` field -> "host" or "device": where the pass computes it).
+    """
+
+    name: ClassVar[str]
+    where: ClassVar[Where]
+    fields: ClassVar[dict[str, str]]
+
+    @classmethod
+    def from_config(cls, cfg, **run) -> RolloutPass | None:
+        """The pass of a run (``run``: ``model_cfg``, ``graphdef``, ``mesh``, ``tokenizer``,
+        ``problems``), checked, or None when the run does not use it."""
+        raise NotImplementedError
+
+    def host(
+        self,
+        problems: Sequence[Any],
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Any],
+    ) -> tuple[dict[str, list], dict[str, float]]:
+        """On the trainer's host after grading: (fields per completion token, each an array
+        [L] or [L, K] per completion for ``rollout.shape`` to lay out; metrics)."""
+        return {}, {}
+
+    def device(
+        self, state: Any, rollouts: batch_lib.Batch, *, step: int
+    ) -> tuple[batch_lib.Batch, dict[str, float]]:
+        """Before the record's ``prepare`` (step ``step``): (rollouts with the pass's device
+        fields, metrics)."""
+        return rollouts, {}
+
+    def finish(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's prepare and update metrics (on the host) as the pass reports them."""
+        return metrics
