@@ -12,7 +12,6 @@ import sys
 import time
 
 import numpy as np
-
 import runs
 from runs import REPO, TINY_MODEL, final_params
 

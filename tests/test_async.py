@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import runs
 from flax import nnx
 
-import runs
 from jaxrlvr import config as config_lib
 from jaxrlvr import train
 from jaxrlvr.phases import producer

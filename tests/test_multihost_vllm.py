@@ -14,7 +14,6 @@ its metrics. Needs the vLLM environment (``JAXRLVR_VLLM_PYTHON``); each server i
 
 import multihost_runs as mh
 import pytest
-
 import runs
 
 VLLM_TINY = [

@@ -8,12 +8,12 @@ import os
 import jax
 import numpy as np
 import pytest
-
 import runs
+from runs import TINY
+
 from jaxrlvr import config as config_lib
 from jaxrlvr import configlib, preflight, rollout, train
 from jaxrlvr import model as M
-from runs import TINY
 
 # The microbatch counts the budget may choose, written out (rollout.row_bucket's k values).
 COUNTS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]

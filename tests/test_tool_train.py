@@ -7,7 +7,6 @@ import signal
 
 import numpy as np
 import pytest
-
 import runs
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,6 @@ without it locally, failed without it in CI (env CI set).
 import json
 
 import pytest
-
 import runs
 
 

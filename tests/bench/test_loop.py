@@ -5,8 +5,8 @@ import json
 import os
 
 import pytest
-
 import runs
+
 from jaxrlvr.bench import loop
 
 TINY = [

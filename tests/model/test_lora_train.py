@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import runs
 from flax import nnx
 
-import runs
 from jaxrlvr import checkpoint
 from jaxrlvr import model as M
 from jaxrlvr.algos import algorithm, optim, sft

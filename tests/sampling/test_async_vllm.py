@@ -18,8 +18,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 import runs
+
 from jaxrlvr.sampling import base, vllm_sampler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

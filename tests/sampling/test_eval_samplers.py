@@ -9,7 +9,6 @@ from flax import nnx
 from jaxrlvr import config as config_lib
 from jaxrlvr import evaluation, prompts
 from jaxrlvr.data import synthetic
-from jaxrlvr.phases import base as phases_base
 from jaxrlvr.rewards import grading, verifiers
 from jaxrlvr.sampling import jax_sampler, vllm_sampler
 
