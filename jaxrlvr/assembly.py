@@ -34,6 +34,7 @@ from flax import nnx
 from jaxrlvr import (
     builders,
     compile_cache,
+    configlib,
     distributed,
     passes,
     phases,
@@ -149,7 +150,7 @@ def assemble(
         model = load_policy(cfg, checkpoint, mesh, tokenizer, purpose=purpose)
         model_cfg = model.config
     positions = model_cfg.max_position_embeddings
-    preflight.check_expert_mesh(model_cfg, cfg.mesh.expert)
+    check_expert_mesh(model_cfg, cfg.mesh.expert)
     train_problems, eval_problems = load_splits(cfg, train=mode != "eval")
     # Every prompt fits the model before any weight is loaded or step compiled.
     plan = phases.plan(cfg)
@@ -290,3 +291,14 @@ def load_splits(
         train_problems += [dataclasses.replace(p, domain=m.domain) for p in tr]
         eval_problems += [dataclasses.replace(p, domain=m.domain) for p in ev]
     return train_problems, eval_problems
+
+
+def check_expert_mesh(model_cfg, expert: int) -> None:
+    """``mesh.expert`` > 1 needs a MoE model whose experts it divides and a dispatch that
+    compiles here (``model.expert_parallel.check``): one-line config error otherwise."""
+    from jaxrlvr.model import expert_parallel
+
+    try:
+        expert_parallel.check(model_cfg, expert)
+    except ValueError as e:
+        raise configlib.ConfigKeyError(str(e)) from None

@@ -230,17 +230,6 @@ def check_sampler_devices(s: config_lib.SamplerSection, devices: int) -> None:
         )
 
 
-def check_expert_mesh(model_cfg, expert: int) -> None:
-    """``mesh.expert`` > 1 needs a MoE model whose experts it divides and a dispatch that
-    compiles here (``model.expert_parallel.check``): one-line config error otherwise."""
-    from jaxrlvr.model import expert_parallel
-
-    try:
-        expert_parallel.check(model_cfg, expert)
-    except ValueError as e:
-        raise configlib.ConfigKeyError(str(e)) from None
-
-
 def check_microbatches_fit_mesh(cfg: config_lib.TrainConfig, mesh) -> None:
     """One-line config error unless every microbatch's rows divide over the mesh's batch
     shards ('data' x 'fsdp'), for each phase the run has (``Phase.geometry``), and unless each

@@ -9,8 +9,8 @@ import os
 import jax
 import pytest
 
+from jaxrlvr import assembly, configlib, preflight
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, preflight
 from jaxrlvr import model as M
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import step
@@ -79,9 +79,9 @@ def test_expert_axis_is_checked_against_the_model():
     moe = M.ModelConfig.tiny(
         model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16
     )
-    preflight.check_expert_mesh(moe, 4)
+    assembly.check_expert_mesh(moe, 4)
     with pytest.raises(configlib.ConfigKeyError, match=r"^mesh.expert=3 does not divide"):
-        preflight.check_expert_mesh(moe, 3)
+        assembly.check_expert_mesh(moe, 3)
     with pytest.raises(configlib.ConfigKeyError, match=r"^mesh.expert=2: expert parallelism"):
-        preflight.check_expert_mesh(M.ModelConfig.tiny(), 2)
-    preflight.check_expert_mesh(M.ModelConfig.tiny(), 1)
+        assembly.check_expert_mesh(M.ModelConfig.tiny(), 2)
+    assembly.check_expert_mesh(M.ModelConfig.tiny(), 1)
