@@ -19,7 +19,7 @@ def test_update_shapes_are_exclusive(capsys):
     with pytest.raises(SystemExit) as info:
         update.main(["--tiny", "--moe"])
     assert info.value.code == 2
-    assert "--tiny, --demo and --moe are shapes: choose one" in capsys.readouterr().err
+    assert "--tiny, --demo, --demo-moe and --moe are shapes: choose one" in capsys.readouterr().err
 
 
 def test_memory_model_flags_are_checked(capsys):
