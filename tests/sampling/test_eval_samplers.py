@@ -9,13 +9,15 @@ from flax import nnx
 from jaxrlvr import config as config_lib
 from jaxrlvr import evaluation, prompts
 from jaxrlvr.data import synthetic
+from jaxrlvr.phases import base as phases_base
 from jaxrlvr.rewards import grading, verifiers
 from jaxrlvr.sampling import jax_sampler, vllm_sampler
 
 
 def _ctx(sampler, tok, problems, grader):
-    """The parts of a ``RunContext`` the evaluation reads, around real samplers and grader."""
-    return types.SimpleNamespace(
+    """The parts of a ``RunContext`` the evaluation reads, around real samplers and grader, with
+    ``RunContext``'s own ``sample`` / ``sample_and_grade`` (the one seeding rule)."""
+    ctx = types.SimpleNamespace(
         row_block=(0, 1),
         eval_problems=problems,
         tokenizer=tok,
@@ -23,6 +25,9 @@ def _ctx(sampler, tok, problems, grader):
         grader=grader,
         encode_prompts=lambda ps: prompts.encode_many(tok, [p.question for p in ps]),
     )
+    ctx.sample = types.MethodType(phases_base.RunContext.sample, ctx)
+    ctx.sample_and_grade = types.MethodType(phases_base.RunContext.sample_and_grade, ctx)
+    return ctx
 
 
 @pytest.mark.vllm
