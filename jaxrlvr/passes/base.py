@@ -28,6 +28,12 @@ class RolloutPass:
         ``problems``), checked, or None when the run does not use it."""
         raise NotImplementedError
 
+    @property
+    def timed_on_host(self) -> bool:
+        """Whether the host part does this run's work (its time is then reported as
+        ``time/<name>_s``): a pass that computes its fields on the device reports none."""
+        return self.where != "device"
+
     def host(
         self,
         problems: Sequence[Any],

@@ -50,6 +50,11 @@ class TeacherScores(RolloutPass):
         one = jax.process_count() == 1
         self.device_groups = registry.device_groups if one else None
 
+    @property
+    def timed_on_host(self) -> bool:
+        # Local teachers on one process score the placed batch on the device (``device``).
+        return self.device_groups is None
+
     @classmethod
     def from_config(cls, cfg, *, model_cfg, mesh, tokenizer, problems, **_):
         d = cfg.rl.distill

@@ -18,6 +18,7 @@ Everything random is derived from ``run.seed`` and the step number, so a source 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -227,7 +228,7 @@ class RolloutSource:
             scores, grading_stats = self.grade(problems, completions)
         fields, pass_m = {}, {}
         for p in self.ctx.passes:  # each pass's host part (teacher scores, route checks)
-            with timer.phase(p.name):
+            with timer.phase(p.name) if p.timed_on_host else contextlib.nullcontext():
                 f, pm = p.host(problems, prompt_ids, completions)
             fields.update(f)
             pass_m.update(pm)
