@@ -6,8 +6,9 @@ filter dropped from it (``pool/``, ``filtered/``), the same filter's labels of t
 (``runs/<arm>_s<seed>/eval_held_out.json``, and ``runs/warm_start_eval.json``). Prints markdown
 tables (which problems the filter drops, by the number of operations and the answer's size; the
 held-out accuracy per run, split into dropped-like and kept-like problems; mean +- sd per arm and
-the paired difference per seed) and writes ``nocot_filter.png`` (held-out accuracy over the GRPO
-steps per arm, and the final accuracy by split).
+the paired differences per seed) and writes ``nocot_filter.png`` (held-out accuracy over the GRPO
+steps per arm, and the final accuracy by split). The arms: ``unfiltered`` (the whole pool),
+``filtered`` (what the no-CoT filter keeps), ``random`` (as many problems drawn at random).
 
     python docs/experiments/nocot_filter_report.py runs/nocot --out docs/experiments
 """
@@ -22,7 +23,9 @@ import os
 import re
 import statistics
 
-ARMS = ("unfiltered", "filtered")
+ARMS = ("unfiltered", "filtered", "random")
+# The paired differences reported (same seed): (arm, minus arm).
+PAIRS = (("filtered", "unfiltered"), ("random", "unfiltered"), ("filtered", "random"))
 
 
 def read_jsonl(path):
@@ -41,9 +44,7 @@ def shortcut(question: str) -> str:
     nums = [int(x) for x in re.findall(r"\d+", question)]
     signs = ["+"] + re.findall(r"[+-]", question)
     zero = any(n == 0 for n in nums)
-    cancel = any(
-        nums[i] == nums[i + 1] and signs[i] != signs[i + 1] for i in range(len(nums) - 1)
-    )
+    cancel = any(nums[i] == nums[i + 1] and signs[i] != signs[i + 1] for i in range(len(nums) - 1))
     return "zero or cancelling pair" if zero or cancel else "neither"
 
 
@@ -104,23 +105,42 @@ def main():
     print()
     print(share_table(pool, dropped_ids, lambda r: shortcut(r["problem"]), "a trivial step"))
     print()
+    total = collections.Counter(int(r["answer"]) for r in pool)
+    drop = collections.Counter(int(r["answer"]) for r in pool if r["id"] in dropped_ids)
+    print(
+        "Share dropped by answer value (share of the pool in brackets): "
+        + ", ".join(
+            f"{a}: {drop[a] / total[a]:.2f} ({total[a] / len(pool):.3f})" for a in sorted(total)
+        )
+    )
+    print()
     rates = collections.Counter(r["detail"] for r in dropped)
-    print("No-CoT pass rate of the dropped problems: " + ", ".join(
-        f"{k.removeprefix('solved in ').split(' of')[0]}: {v}" for k, v in sorted(rates.items())
-    ))
+    print(
+        "No-CoT pass rate of the dropped problems: "
+        + ", ".join(
+            f"{k.removeprefix('solved in ').split(' of')[0]}: {v}" for k, v in sorted(rates.items())
+        )
+    )
     by_id = {r["id"]: r for r in pool}
-    print("Examples: " + "; ".join(
-        f"`{by_id[i]['problem']} {by_id[i]['answer']}`" for i in sorted(dropped_ids)[:6]
-    ))
-    print(f"\nHeld-out split: {len(held)} problems, {len(held_drop)} dropped-like "
-          f"({len(held_drop) / len(held):.2f}), {len(held) - len(held_drop)} kept-like.\n")
+    print(
+        "Examples: "
+        + "; ".join(
+            f"`{by_id[i]['problem']} {by_id[i]['answer']}`" for i in sorted(dropped_ids)[:6]
+        )
+    )
+    print(
+        f"\nHeld-out split: {len(held)} problems, {len(held_drop)} dropped-like "
+        f"({len(held_drop) / len(held):.2f}), {len(held) - len(held_drop)} kept-like.\n"
+    )
 
     print("## Held-out accuracy after GRPO (avg@n, final checkpoint)\n")
-    print("| run | seed | all | dropped-like | kept-like | eval curve (steps 0, 10, ...) |"
-          " zero-variance groups | train reward first 5 -> last 5 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | seed | all | dropped-like | kept-like | eval curve (steps 0, 10, ...) |"
+        " zero-variance groups | train reward first 5 -> last 5 | eval length start -> end |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     warm = split_accuracy(f"{root}/runs/warm_start_eval.json", held_drop)
-    print(f"| warm start | - | {warm[0]:.3f} | {warm[1]:.3f} | {warm[2]:.3f} | | | |")
+    print(f"| warm start | - | {warm[0]:.3f} | {warm[1]:.3f} | {warm[2]:.3f} | | | | |")
     results = {arm: {} for arm in ARMS}
     curves = {arm: {} for arm in ARMS}
     for arm in ARMS:
@@ -133,25 +153,31 @@ def main():
             recs = read_jsonl(f"{run}metrics.jsonl")
             ev = [(r["step"], r["eval/accuracy"]) for r in recs if "eval/accuracy" in r]
             rl = [r for r in recs if "reward_mean" in r]
+            lens = [r["eval/response_length_mean"] for r in recs if "eval/accuracy" in r]
             zv = statistics.mean(r.get("zero_variance_group_fraction", float("nan")) for r in rl)
             rew = [r["reward_mean"] for r in rl]
             results[arm][seed] = acc
             curves[arm][seed] = ev
             curve = " ".join(f"{a:.2f}" for _, a in ev)
-            print(f"| {arm} | {seed} | {acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {curve} | "
-                  f"{zv:.2f} | {statistics.mean(rew[:5]):.3f} -> {statistics.mean(rew[-5:]):.3f} |")
+            print(
+                f"| {arm} | {seed} | {acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {curve} | "
+                f"{zv:.2f} | {statistics.mean(rew[:5]):.3f} -> {statistics.mean(rew[-5:]):.3f} | "
+                f"{lens[0]:.1f} -> {lens[-1]:.1f} |"
+            )
     for arm in ARMS:
         vals = list(results[arm].values())
         if vals:
             cols = " | ".join(mean_sd([v[i] for v in vals]) for i in range(3))
-            print(f"| **{arm}**, mean +- sd | | {cols} | | | |")
-    seeds = sorted(set(results["unfiltered"]) & set(results["filtered"]))
-    if seeds:
+            print(f"| **{arm}**, mean +- sd | | {cols} | | | | |")
+    for a, b in PAIRS:
+        seeds = sorted(set(results[a]) & set(results[b]))
+        if not seeds:
+            continue
         cols = []
         for i in range(3):
-            d = [results["filtered"][s][i] - results["unfiltered"][s][i] for s in seeds]
+            d = [results[a][s][i] - results[b][s][i] for s in seeds]
             cols.append(f"{mean_sd(d)} ({', '.join(f'{x:+.3f}' for x in d)})")
-        print(f"| filtered - unfiltered, same seed | | {' | '.join(cols)} | | | |")
+        print(f"| {a} - {b}, same seed | | {' | '.join(cols)} | | | | |")
 
     import matplotlib
 
@@ -159,7 +185,7 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"unfiltered": "tab:blue", "filtered": "tab:orange"}
+    colors = {"unfiltered": "tab:blue", "filtered": "tab:orange", "random": "tab:green"}
     for arm in ARMS:
         runs = list(curves[arm].values())
         for ev in runs:
@@ -173,14 +199,13 @@ def main():
     a1.legend()
     a1.set_title("held-out accuracy during GRPO")
     labels = ["all", "dropped-like", "kept-like"]
-    width = 0.27
-    for j, (name, vals) in enumerate(
-        [("warm start", [warm])] + [(arm, list(results[arm].values())) for arm in ARMS]
-    ):
-        if not vals:
-            continue
+    groups = [("warm start", [warm])] + [
+        (arm, list(results[arm].values())) for arm in ARMS if results[arm]
+    ]
+    width = 0.8 / len(groups)
+    for j, (name, vals) in enumerate(groups):
         means = [statistics.mean(v[i] for v in vals) for i in range(3)]
-        xs = [i + (j - 1) * width for i in range(3)]
+        xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(3)]
         a2.bar(xs, means, width, label=name, color=colors.get(name, "tab:gray"))
         for i, x in enumerate(xs):
             a2.scatter([x] * len(vals), [v[i] for v in vals], color="k", s=8, zorder=3)

@@ -6,7 +6,9 @@
 # K samples of each of the 2000 training problems with " <answer>" appended to the prompt (the
 # question_only template's forced text: no written work), dropped when at least THRESHOLD of
 # them are right. Then vanilla GRPO (configs/experiments/grpo.yaml, STEPS steps) from the same
-# warm start on (a) the whole pool and (b) what the filter keeps, per seed; each run's final
+# warm start on (a) the whole pool, (b) what the filter keeps and (c) as many problems drawn at
+# random from the pool (the control: a smaller pool, not the filter's choice), per seed (ARMS
+# picks some); each run's final
 # checkpoint is evaluated on the held-out split (EVAL_SIZE problems) with a per-problem report,
 # which nocot_filter_report.py splits into dropped-like / kept-like problems (the same filter run
 # over the held-out split) and writes into the tables and plot.
@@ -19,6 +21,7 @@ STEPS=${STEPS:-40}
 K=${K:-4}
 THRESHOLD=${THRESHOLD:-0.5}
 EVAL_SIZE=${EVAL_SIZE:-200}
+ARMS=${ARMS:-"unfiltered filtered random"}
 WARM=runs/experiments
 mkdir -p "$OUT/runs"
 
@@ -51,6 +54,16 @@ jaxrlvr curate "$OUT/filter.yaml" "model.path=$WARM/sft_hf" \
   "data.train=$OUT/pool/scratchpad_held_out.jsonl" "data.eval=$OUT/pool/scratchpad_held_out.jsonl" \
   --out "$OUT/held_filter" > /dev/null
 
+# The control: as many problems as the filter keeps, drawn at random from the pool.
+python - "$OUT" <<'PYEOF'
+import os, random, sys
+out = sys.argv[1]
+pool = open(f"{out}/pool/scratchpad.jsonl").readlines()
+n = len(open(f"{out}/filtered/scratchpad.jsonl").readlines())
+os.makedirs(f"{out}/random", exist_ok=True)
+open(f"{out}/random/scratchpad.jsonl", "w").writelines(random.Random(0).sample(pool, n))
+PYEOF
+
 HELD=$OUT/pool/scratchpad_held_out.jsonl
 # The warm start on the held-out split, per problem (the start of every curve). data.train is
 # the pool file: with a generated data.train the task's own split is evaluated, not data.eval.
@@ -59,9 +72,9 @@ jaxrlvr eval configs/experiments/grpo.yaml "data.train=$OUT/pool/scratchpad.json
   --max-problems "$EVAL_SIZE" --report "$OUT/runs/warm_start_eval.json" --no-progress \
   | grep eval/accuracy | sed "s|^|warm start |"
 for s in $SEEDS; do
-  for arm in unfiltered filtered; do
+  for arm in $ARMS; do
     train=$OUT/pool/scratchpad.jsonl
-    [ "$arm" = filtered ] && train=$OUT/filtered/scratchpad.jsonl
+    [ "$arm" = unfiltered ] || train=$OUT/$arm/scratchpad.jsonl
     run=$OUT/runs/${arm}_s$s
     nice -n 15 jaxrlvr train configs/experiments/grpo.yaml "run.out_dir=$run" "run.seed=$s" \
       "model.path=$WARM/sft_hf" "data.train=$train" "data.eval=$HELD" \
