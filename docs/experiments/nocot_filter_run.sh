@@ -54,6 +54,9 @@ jaxrlvr curate "$OUT/filter.yaml" "model.path=$WARM/sft_hf" \
   "data.train=$OUT/pool/scratchpad_held_out.jsonl" "data.eval=$OUT/pool/scratchpad_held_out.jsonl" \
   --out "$OUT/held_filter" > /dev/null
 
+# What the policy writes with its thinking cut off, answer by answer (the filter keeps only rates).
+python docs/experiments/nocot_filter_answers.py "$OUT/filter.yaml" "$SPLIT" \
+  "model.path=$WARM/sft_hf" 2> /dev/null > "$OUT/answers.md"
 # The control: as many problems as the filter keeps, drawn at random from the pool.
 python - "$OUT" <<'PYEOF'
 import os, random, sys
