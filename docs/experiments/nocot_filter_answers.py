@@ -33,6 +33,7 @@ def main(argv):
     base = prompts.sampling_params(cfg.sampler, ctx.tokenizer)
     params = dataclasses.replace(base, max_tokens=c.max_tokens or base.max_tokens)
     written, right = collections.Counter(), collections.Counter()
+    per_problem = collections.Counter()
     try:
         for start in range(0, len(train), ccfg.batch_size):
             chunk = train[start : start + ccfg.batch_size]
@@ -45,13 +46,16 @@ def main(argv):
                 value = m.group(1) if m else "(none)"
                 written[value] += 1
                 right[value] += value == chunk[j // c.k].answer
+                per_problem[start + j // c.k] += value == chunk[j // c.k].answer
     finally:
         policy.close()
     gold = collections.Counter(p.answer for p in train)
     n = sum(written.values())
+    drops = sum(r / c.k >= c.threshold for r in per_problem.values())
     print(
         f"{n} forced-answer samples of {len(train)} problems (k={c.k}), "
-        f"{sum(right.values()) / n:.3f} right"
+        f"{sum(right.values()) / n:.3f} right; {drops} problems right in a share >= "
+        f"{c.threshold} of their samples (the filter's drops)"
     )
     print("| answer | share of samples | share of gold answers | samples right |")
     print("|---|---|---|---|")
