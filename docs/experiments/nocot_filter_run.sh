@@ -12,7 +12,7 @@
 # checkpoint is evaluated on the held-out split (EVAL_SIZE problems) with a per-problem report,
 # which nocot_filter_report.py splits into dropped-like / kept-like problems (the same filter run
 # over the held-out split) and writes into the tables and plot.
-#   docs/experiments/nocot_filter_run.sh     # OUT=runs/nocot SEEDS="0 1 2" STEPS=40 K=4 ...
+#   docs/experiments/nocot_filter_run.sh  # OUT=runs/nocot SEEDS="0 1 2" STEPS=40 K=4 ARMS=... PLOT_DIR=...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/nocot}
@@ -22,6 +22,7 @@ K=${K:-4}
 THRESHOLD=${THRESHOLD:-0.5}
 EVAL_SIZE=${EVAL_SIZE:-200}
 ARMS=${ARMS:-"unfiltered filtered random"}
+PLOT_DIR=${PLOT_DIR:-docs/experiments}
 WARM=runs/experiments
 mkdir -p "$OUT/runs"
 
@@ -87,4 +88,4 @@ for s in $SEEDS; do
       --report "$run/eval_held_out.json" --no-progress | grep eval/accuracy | sed "s|^|$arm s$s |"
   done
 done
-python docs/experiments/nocot_filter_report.py "$OUT" --out docs/experiments
+python docs/experiments/nocot_filter_report.py "$OUT" --out "$PLOT_DIR" | tee "$OUT/report.md"
