@@ -60,6 +60,12 @@ class GradedRollouts:
     fields: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
+def _retired_count(iterator) -> int:
+    """Problems this process's iterator (or its shards' iterators) has retired."""
+    its = getattr(iterator, "iterators", {0: iterator}).values()
+    return sum(len(it.retired) for it in its)
+
+
 class RolloutSource:
     """Single-turn rollouts of the training problems (module docstring).
 
@@ -188,11 +194,20 @@ class RolloutSource:
         """The step's scores; feeds the curriculum (one ``CurriculumPromptIterator`` per data
         shard) with each problem's answer rewards."""
         scores, stats = self.score(problems, completions, self.rl.group_size)
+        g = self.rl.group_size
         if self.rl.curriculum:
-            g = self.rl.group_size
             self.iterator.update(
                 [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
             )
+        if self.rl.retire_pass_rate is not None:
+            # No-Positive-Resampling (ScaleRL): a prompt whose group passes at the threshold or
+            # above leaves the pool for good (each process retires the problems it drew, which
+            # its own data shards hold).
+            rates = np.asarray([s["answer_reward"] for s in scores], np.float64).reshape(-1, g)
+            solved = [
+                p.id for p, r in zip(problems, rates.mean(1)) if r >= self.rl.retire_pass_rate
+            ]
+            self.iterator.retire(solved)
         return scores, stats
 
     # -- the step ---------------------------------------------------------------------------------
@@ -233,6 +248,8 @@ class RolloutSource:
             fields.update(f)
             pass_m.update(pm)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
+        if self.rl.retire_pass_rate is not None:
+            metrics["data/retired"] = float(_retired_count(self.iterator))
         return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
