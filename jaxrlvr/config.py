@@ -297,6 +297,16 @@ class RLFields:
     it pays where prompts are a large share of a rollout (the demo: 60 %), while with long
     completions the longer rows' attention can cost more than the prompt copies it saves.
 
+    ``drop_zero_variance_groups``: a group whose rewards are all equal (advantage 0 for every
+    completion) leaves the loss: its tokens' loss weights are 0, so it adds nothing to a token
+    mean's or a prompt mean's count (ScaleRL's zero-variance filtering; with the seq_mean
+    aggregations B still counts its sequences). ``retire_pass_rate`` (ScaleRL's
+    No-Positive-Resampling; null: off): a prompt whose group's pass rate (mean ``answer_reward``)
+    reaches it in a step is never drawn again (``data.iterators.PromptIterator.retire``; saved in
+    the checkpoint's data state; not with ``curriculum``); ``data/retired`` counts them. With
+    ``loss.aggregation`` "prompt_mean_token_mean" (ScaleRL's prompt-level averaging) a group is
+    told apart by its shared prompt, so it needs ``packing`` and ``share_prompts``.
+
     ``max_tokens_per_microbatch`` (packing only): a token budget instead of a fixed
     ``microbatches``. Each step then takes the fewest microbatches (from the buckets 1, 2, 3, 4,
     6, 8, 12, ...) whose rows x the step's row length T stay within the budget, with rows per
