@@ -5,7 +5,7 @@ problem on the demo's held-out problems) and writes ``OUT/pass_at_k.md`` and the
 k = 1..256 of each policy (mean over seeds, min-max band), the difference to the SFT warm start,
 and the problems each policy never solves in 256 samples (the coverage Yue et al. measure).
 
-    python docs/experiments/pass_at_k_report.py runs/experiments/scalerl [--png docs/experiments/x.png]
+    python docs/experiments/pass_at_k_report.py runs/experiments/scalerl [--png PATH]
 """
 
 import argparse

@@ -6,7 +6,7 @@ recipe's seeds pooled (every seed's points, R0 the seeds' mean), and writes ``OU
 (the tables) and the PNG: held-out accuracy over RL steps (mean and min-max band over seeds) and
 pass rate against compute with the pooled fits.
 
-    python docs/experiments/scalerl_report.py runs/experiments/scalerl [--png docs/experiments/x.png]
+    python docs/experiments/scalerl_report.py runs/experiments/scalerl [--png PATH]
 """
 
 import argparse
@@ -111,10 +111,12 @@ def main() -> None:
         if f is None:
             return "fit failed"
         v, se = getattr(f, attr), getattr(f, attr + "_se")
-        return f"{v:.{p}g} +- {se:.2g}" if attr == "c_mid" else f"{v:.{p}f} +- {se:.{p}f}"
+        if attr == "c_mid":
+            return f"{v:.{p}g} +- {se:.2g}"
+        return f"{v:.{p}f} +- {se:.{p}f}"
 
-    md = ["| run | R0 (after SFT) | final | best | RL FLOPs | A | B | C_mid | retired | zero-var groups |",
-          "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = "| run | R0 (after SFT) | final | best | RL FLOPs | A | B | C_mid | retired | zero-var |"
+    md = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["fit"]
         md.append(
@@ -155,8 +157,10 @@ def main() -> None:
         f = c["fit"]
         ax2.plot(c["compute"], c["rate"], "o", color=color, alpha=0.35, ms=3)
         grid = np.geomspace(c["compute"].min(), c["compute"].max() * 100, 200)
-        ax2.plot(grid, scaling.sigmoid(grid, f.a, f.b, f.c_mid, f.r0), "--", color=color,
-                 label=f"{c['label']}: A={f.a:.3f}+-{f.a_se:.3f}, B={f.b:.2f}+-{f.b_se:.2f}")  # fmt: skip
+        label = f"{c['label']}: A={f.a:.3f}+-{f.a_se:.3f}, B={f.b:.2f}+-{f.b_se:.2f}"
+        ax2.plot(
+            grid, scaling.sigmoid(grid, f.a, f.b, f.c_mid, f.r0), "--", color=color, label=label
+        )
         ax2.axhline(f.a, color=color, linestyle=":", alpha=0.5)
     ax2.set_xscale("log")
     ax2.set_xlabel("RL compute (model FLOPs)")
