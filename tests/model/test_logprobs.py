@@ -194,11 +194,20 @@ def test_fp32_lm_head_of_a_bf16_model():
     bf16 = M.ModelConfig.tiny(tie_word_embeddings=False, dtype="bfloat16")
     fp32_head = bf16.replace(lm_head_dtype="float32")
     assert fp32_head.head_dtype == jnp.float32 and bf16.head_dtype == jnp.bfloat16
-    lm = M.init_model(bf16, seed=0)
-    graphdef, params = nnx.split(lm, nnx.Param)
-    lm32 = nnx.merge(nnx.graphdef(M.init_model(fp32_head, seed=0)), params)
-    # bf16 hidden states as the backbone hands them over (the head is all this test runs).
     rng = np.random.default_rng(0)
+
+    def graph_and_params(cfg):
+        """The model's graph (traced only: a random init costs seconds on a loaded CPU) and
+        random float32 parameters of its shapes."""
+        graphdef, shapes = nnx.split(nnx.eval_shape(lambda: M.init_model(cfg, seed=0)), nnx.Param)
+        return graphdef, jax.tree.map(
+            lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), shapes
+        )
+
+    graphdef, params = graph_and_params(bf16)
+    lm = nnx.merge(graphdef, params)
+    lm32 = nnx.merge(graph_and_params(fp32_head)[0], params)  # the same parameters
+    # bf16 hidden states as the backbone hands them over (the head is all this test runs).
     hidden = jnp.asarray(rng.normal(size=(B, T, bf16.hidden_size)), jnp.bfloat16)
     w = np.asarray(lm.lm_head_weight(), np.float32)
     w_dv = w  # the untied kernel [D, V] (a tied head reads the same weight transposed)
