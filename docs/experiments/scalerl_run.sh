@@ -4,7 +4,10 @@
 # std, FP32 head, zero-variance filtering, No-Positive-Resampling), SEEDS each, held-out accuracy
 # every 10 RL steps; then ScaleRL's sigmoid fitted to every run (`jaxrlvr plot --fit`) and the
 # table / plot of scalerl_report.py. Runs that finished (summary.json) are not run again.
-#   docs/experiments/scalerl_run.sh                 # OUT=runs/experiments/scalerl SEEDS="0 1 2"
+#   LONG_SEEDS=0 docs/experiments/scalerl_run.sh    # OUT=runs/experiments/scalerl SEEDS="0 1 2"
+# LONG_SEEDS (e.g. "0"; default none): both recipes again for LONG_STEPS (500) RL steps at a
+# constant learning rate (the demo's cosine schedule reaches 0 at its last step, which bends the
+# curve by itself), in OUT/long/, to see whether the asymptote A becomes measurable.
 # The GRPO runs keep every checkpoint (checkpoint.keep=10): docs/experiments/pass_at_k_run.sh
 # evaluates their SFT warm start (step 300) and final policy (step 500).
 set -euo pipefail
@@ -21,6 +24,20 @@ for s in $SEEDS; do
       "${COMMON[@]}"
   fi
 done
+LONG=(optim.schedule=constant eval.every=20 "rl.steps=${LONG_STEPS:-500}")
+for s in ${LONG_SEEDS:-}; do
+  if [ ! -f "$OUT/long/grpo_s$s/summary.json" ]; then
+    jaxrlvr train configs/demo.yaml "run.out_dir=$OUT/long/grpo_s$s" "run.seed=$s" \
+      "${COMMON[@]}" "${LONG[@]}"
+  fi
+  if [ ! -f "$OUT/long/scalerl_s$s/summary.json" ]; then
+    jaxrlvr train configs/scalerl_demo.yaml "run.out_dir=$OUT/long/scalerl_s$s" "run.seed=$s" \
+      "${COMMON[@]}" "${LONG[@]}"
+  fi
+done
 if [ "${REPORT:-1}" = 1 ]; then
   python docs/experiments/scalerl_report.py "$OUT" --png docs/experiments/scalerl.png
+  if ls "$OUT"/long/*/summary.json > /dev/null 2>&1; then
+    python docs/experiments/scalerl_report.py "$OUT/long" --png docs/experiments/scalerl_long.png
+  fi
 fi
