@@ -60,6 +60,16 @@ class GradedRollouts:
     fields: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
+def solved_problems(problems, scores, group_size: int, threshold: float) -> list[str]:
+    """No-Positive-Resampling (ScaleRL): the ids of the problems whose group of ``group_size``
+    completions (``scores`` prompt-major) passes at a rate (mean ``answer_reward``) of at least
+    ``threshold``; ``rl.retire_pass_rate`` takes them out of the pool for good."""
+    rates = np.asarray([s["answer_reward"] for s in scores], np.float64).reshape(-1, group_size)
+    if len(rates) != len(problems):
+        raise ValueError(f"{len(scores)} scores are not {len(problems)} groups of {group_size}")
+    return [p.id for p, r in zip(problems, rates.mean(1)) if r >= threshold]
+
+
 def _retired_count(iterator) -> int:
     """Problems this process's iterator (or its shards' iterators) has retired."""
     its = getattr(iterator, "iterators", {0: iterator}).values()
@@ -200,14 +210,8 @@ class RolloutSource:
                 [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
             )
         if self.rl.retire_pass_rate is not None:
-            # No-Positive-Resampling (ScaleRL): a prompt whose group passes at the threshold or
-            # above leaves the pool for good (each process retires the problems it drew, which
-            # its own data shards hold).
-            rates = np.asarray([s["answer_reward"] for s in scores], np.float64).reshape(-1, g)
-            solved = [
-                p.id for p, r in zip(problems, rates.mean(1)) if r >= self.rl.retire_pass_rate
-            ]
-            self.iterator.retire(solved)
+            # Each process retires the problems it drew, which its own data shards hold.
+            self.iterator.retire(solved_problems(problems, scores, g, self.rl.retire_pass_rate))
         return scores, stats
 
     # -- the step ---------------------------------------------------------------------------------

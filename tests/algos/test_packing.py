@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxrlvr import model as M
 from jaxrlvr import rollout
-from jaxrlvr.algos import algorithm, gae, grpo, loss_config, ppo, segments, sft, value
+from jaxrlvr.algos import aggregation, algorithm, gae, grpo, loss_config, ppo, segments, sft, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.sampling.base import Completion
 
@@ -403,3 +403,25 @@ def test_grpo_prompt_mean_with_shared_prompts_equals_reweighted_padded(model):
     for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_prompt)):
         np.testing.assert_allclose(b, a, rtol=TOL, atol=TOL)
     assert float(m["grad_norm"]) > 1e-3
+
+
+def test_zero_variance_groups_leave_the_prompt_mean():
+    # ScaleRL's zero-variance filtering (rl.drop_zero_variance_groups) on a shared-prompt batch:
+    # a group whose rewards are all equal keeps no loss token, and the prompt-level denominator
+    # counts only the other prompts.
+    prompts, completions, scores = _rollouts(64)
+    for s in scores[G : 2 * G]:  # the second prompt's group: every reward 1
+        s.update(reward=1.0, answer_reward=1.0)
+    cfg = rollout.ShapingConfig(
+        group_size=G, packing=True, share_prompts=True, drop_zero_variance_groups=True
+    )
+    batch, metrics = rollout.shape(prompts, completions, scores, cfg, pad_id=0)
+    assert metrics["zero_variance_group_fraction"] == pytest.approx(1 / 3)
+    loss = loss_config.PolicyLossConfig(aggregation="prompt_mean_token_mean")
+    den = aggregation.loss_denominator(
+        batch.loss_mask, loss, batch.segment_ids, batch.prompt_group_ids
+    )
+    assert float(den) == pytest.approx(2.0, rel=1e-6)  # a float32 sum of 1 / N_g terms
+    # Exactly the dropped group's tokens left the mask.
+    kept = sum(len(c.token_ids) for i, c in enumerate(completions) if not G <= i < 2 * G)
+    assert float(np.sum(batch.loss_mask)) == kept

@@ -143,3 +143,16 @@ def test_sharded_iterator_retires_in_each_shard():
     assert sharded.iterators[0].retired == {"p1"} and sharded.iterators[1].retired == {"p6"}
     drawn = {p.id for _ in range(8) for p in sharded.next_batch()}
     assert "p1" not in drawn and "p6" not in drawn
+
+
+def test_solved_problems_are_the_groups_at_the_threshold():
+    # RolloutSource.grade retires these (rl.retire_pass_rate): pass rate over the group's G.
+    from jaxrlvr.phases import sources
+
+    g = 4
+    rewards = [1, 1, 1, 1] + [1, 1, 1, 0] + [0, 0, 0, 0]
+    scores = [{"answer_reward": float(r)} for r in rewards]
+    assert sources.solved_problems(PROBLEMS[:3], scores, g, 0.9) == ["p0"]
+    assert sources.solved_problems(PROBLEMS[:3], scores, g, 0.75) == ["p0", "p1"]
+    with pytest.raises(ValueError, match="not 2 groups of 4"):
+        sources.solved_problems(PROBLEMS[:2], scores, g, 0.9)
