@@ -81,6 +81,25 @@ def main() -> None:
                 + " | ".join(f"{_ms(list(diffs[:, j]))}" for j in range(len(ks)))
                 + " |"
             )
+        # Narrowing per problem: problems whose success count (of 256) RL lowered, and the
+        # hardest problem's count (a policy that narrows loses its rare successes there first).
+        md += ["", "| policy | problems RL made worse (c < SFT's c) | hardest problem's c (min) |",
+               "|---|---|---|"]  # fmt: skip
+        for p in reports:
+            seeds = sorted(set(reports[p]) & set(reports["sft"]))
+            worse = [
+                sum(
+                    a["correct"] < b["correct"]
+                    for a, b in zip(reports[p][s]["problems"], reports["sft"][s]["problems"])
+                )
+                for s in seeds
+            ]
+            hardest = [min(q["correct"] for q in reports[p][s]["problems"]) for s in seeds]
+            md.append(
+                f"| {POLICIES[p]} | "
+                + ("-" if p == "sft" else "/".join(map(str, worse)))
+                + f" | {'/'.join(map(str, hardest))} |"
+            )
     text = "\n".join(md) + "\n"
     (out / "pass_at_k.md").write_text(text)
     print(text)
