@@ -113,7 +113,8 @@ def main() -> None:
         v, se = getattr(f, attr), getattr(f, attr + "_se")
         if attr == "c_mid":
             return f"{v:.{p}g} +- {se:.2g}"
-        return f"{v:.{p}f} +- {se:.{p}f}"
+        bound = " (at its bound 1)" if attr == "a" and v > 0.999 else ""
+        return f"{v:.{p}f} +- {se:.{p}f}{bound}"
 
     head = "| run | R0 (after SFT) | final | best | RL FLOPs | A | B | C_mid | retired | zero-var |"
     md = [head, "|---|---|---|---|---|---|---|---|---|---|"]
@@ -134,6 +135,25 @@ def main() -> None:
             f"{_mean_sd([r['fit'].b if r['fit'] else None for r in mine])} | "
             f"{f.describe() if f else 'fit failed'} |"
         )
+    # Paired by seed (the same SFT warm start): the ScaleRL run's accuracy at the GRPO run's
+    # final step and at the GRPO run's total RL FLOPs (linear in log compute between its points).
+    curves_by_run = {r["run"]: r for r in rows}
+    paired = []
+    for r in rows:
+        other = curves_by_run.get(r["run"].replace("grpo", "scalerl"))
+        if r["recipe"] != "grpo" or other is None:
+            continue
+        c, y, _ = scaling.run_curve(str(out / other["run"]))
+        at_c = float(np.interp(np.log(r["rl_flops"]), np.log(c), y))
+        paired.append((r["run"][-2:], r["final"], other["final"], r["rl_flops"], at_c))
+    if paired:
+        md += ["", "| seed | GRPO final | ScaleRL final (same steps) | GRPO's RL FLOPs | "
+               "ScaleRL at those FLOPs |", "|---|---|---|---|---|"]  # fmt: skip
+        for seed, g, sc, flops, at_c in paired:
+            md.append(f"| {seed} | {g:.3f} | {sc:.3f} | {flops:.3g} | {at_c:.3f} |")
+        d1 = [sc - g for _, g, sc, _, _ in paired]
+        d2 = [at - g for _, g, _, _, at in paired]
+        md.append(f"| ScaleRL - GRPO | | {_mean_sd(d1)} | | {_mean_sd(d2)} |")
     text = "\n".join(md) + "\n"
     (out / "scalerl.md").write_text(text)
     print(text)
