@@ -1,10 +1,11 @@
 """Table and plot of the ScaleRL experiment (docs/experiments/scalerl.md).
 
-Reads ``OUT/grpo_s<S>`` and ``OUT/scalerl_s<S>`` (finished runs: ``summary.json``), fits ScaleRL's
-sigmoid (``jaxrlvr.scaling``) to each run's held-out accuracy against its RL FLOPs, and to each
-recipe's seeds pooled (every seed's points, R0 the seeds' mean), and writes ``OUT/scalerl.md``
-(the tables) and the PNG: held-out accuracy over RL steps (mean and min-max band over seeds) and
-pass rate against compute with the pooled fits.
+Reads ``OUT/grpo_s<S>``, ``OUT/scalerl_s<S>`` and ``OUT/cispo_s<S>`` (finished runs:
+``summary.json``), fits ScaleRL's sigmoid (``jaxrlvr.scaling``) to each run's held-out accuracy
+against its RL FLOPs, and to each recipe's seeds pooled (every seed's points, R0 the seeds'
+mean), and writes ``OUT/scalerl.md`` (the tables, with each recipe paired by seed against GRPO at
+equal steps and at equal FLOPs) and the PNG: held-out accuracy over RL steps (mean and min-max
+band over seeds) and pass rate against compute with the pooled fits.
 
     python docs/experiments/scalerl_report.py runs/experiments/scalerl [--png PATH]
 """
@@ -22,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from jaxrlvr import scaling  # noqa: E402
 
-RECIPES = {"grpo": "demo GRPO", "scalerl": "ScaleRL recipe"}
+RECIPES = {"grpo": "demo GRPO", "scalerl": "ScaleRL recipe", "cispo": "CISPO alone"}
 
 
 def _lines(run: pathlib.Path) -> list[dict]:
@@ -135,25 +136,28 @@ def main() -> None:
             f"{_mean_sd([r['fit'].b if r['fit'] else None for r in mine])} | "
             f"{f.describe() if f else 'fit failed'} |"
         )
-    # Paired by seed (the same SFT warm start): the ScaleRL run's accuracy at the GRPO run's
+    # Paired by seed (the same SFT warm start): each other recipe's accuracy at the GRPO run's
     # final step and at the GRPO run's total RL FLOPs (linear in log compute between its points).
-    curves_by_run = {r["run"]: r for r in rows}
-    paired = []
-    for r in rows:
-        other = curves_by_run.get(r["run"].replace("grpo", "scalerl"))
-        if r["recipe"] != "grpo" or other is None:
+    by_run = {r["run"]: r for r in rows}
+    for recipe in [x for x in RECIPES if x != "grpo"]:
+        paired = []
+        for r in rows:
+            other = by_run.get(r["run"].replace("grpo", recipe))
+            if r["recipe"] != "grpo" or other is None:
+                continue
+            c, y, _ = scaling.run_curve(str(out / other["run"]))
+            at_c = float(np.interp(np.log(r["rl_flops"]), np.log(c), y))
+            paired.append((r["run"][-2:], r["final"], other["final"], r["rl_flops"], at_c))
+        if not paired:
             continue
-        c, y, _ = scaling.run_curve(str(out / other["run"]))
-        at_c = float(np.interp(np.log(r["rl_flops"]), np.log(c), y))
-        paired.append((r["run"][-2:], r["final"], other["final"], r["rl_flops"], at_c))
-    if paired:
-        md += ["", "| seed | GRPO final | ScaleRL final (same steps) | GRPO's RL FLOPs | "
-               "ScaleRL at those FLOPs |", "|---|---|---|---|---|"]  # fmt: skip
+        name = RECIPES[recipe]
+        md += ["", f"| seed | GRPO final | {name} final (same steps) | GRPO's RL FLOPs | "
+               f"{name} at those FLOPs |", "|---|---|---|---|---|"]  # fmt: skip
         for seed, g, sc, flops, at_c in paired:
             md.append(f"| {seed} | {g:.3f} | {sc:.3f} | {flops:.3g} | {at_c:.3f} |")
         d1 = [sc - g for _, g, sc, _, _ in paired]
         d2 = [at - g for _, g, _, _, at in paired]
-        md.append(f"| ScaleRL - GRPO | | {_mean_sd(d1)} | | {_mean_sd(d2)} |")
+        md.append(f"| {name} - GRPO | | {_mean_sd(d1)} | | {_mean_sd(d2)} |")
     text = "\n".join(md) + "\n"
     (out / "scalerl.md").write_text(text)
     print(text)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ScaleRL experiment of docs/experiments/scalerl.md: the demo's GRPO (configs/demo.yaml)
 # against the ScaleRL recipe (configs/scalerl_demo.yaml: CISPO, prompt-level averaging, batch
-# std, FP32 head, zero-variance filtering, No-Positive-Resampling), SEEDS each, held-out accuracy
+# std, FP32 head, zero-variance filtering, No-Positive-Resampling) and CISPO alone
+# (configs/cispo_demo.yaml; CISPO=0 skips it), SEEDS each, held-out accuracy
 # every 10 RL steps; then ScaleRL's sigmoid fitted to every run (`jaxrlvr plot --fit`) and the
 # table / plot of scalerl_report.py. Runs that finished (summary.json) are not run again.
 #   LONG_SEEDS=0 docs/experiments/scalerl_run.sh    # OUT=runs/experiments/scalerl SEEDS="0 1 2"
@@ -21,6 +22,11 @@ for s in $SEEDS; do
   fi
   if [ ! -f "$OUT/scalerl_s$s/summary.json" ]; then
     jaxrlvr train configs/scalerl_demo.yaml "run.out_dir=$OUT/scalerl_s$s" "run.seed=$s" \
+      "${COMMON[@]}"
+  fi
+  # CISPO alone (configs/cispo_demo.yaml: the recipe's loss without its other switches).
+  if [ "${CISPO:-1}" = 1 ] && [ ! -f "$OUT/cispo_s$s/summary.json" ]; then
+    jaxrlvr train configs/cispo_demo.yaml "run.out_dir=$OUT/cispo_s$s" "run.seed=$s" \
       "${COMMON[@]}"
   fi
 done
