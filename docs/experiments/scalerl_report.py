@@ -50,6 +50,10 @@ def _mean_sd(xs):
     return f"{statistics.mean(xs):.3f} +- {sd:.3f}"
 
 
+def _count(x) -> str:
+    return "-" if np.isnan(x) else f"{x:.0f}"
+
+
 def _last(lines, key):
     vals = [m[key] for m in lines if key in m]
     return vals[-1] if vals else float("nan")
@@ -124,7 +128,7 @@ def main() -> None:
         md.append(
             f"| {r['run']} | {r['r0']:.3f} | {r['final']:.3f} | {r['best']:.3f} | "
             f"{r['rl_flops']:.3g} | {fmt(f, 'a')} | {fmt(f, 'b')} | {fmt(f, 'c_mid')} | "
-            f"{r['retired']:.0f} | {r['zero_var']:.3f} |"
+            f"{_count(r['retired'])} | {r['zero_var']:.3f} |"
         )
     md += ["", "| recipe | seeds | final (mean +- sd) | A per seed (mean +- sd) | "
            "B per seed (mean +- sd) | pooled fit |", "|---|---|---|---|---|---|"]  # fmt: skip
