@@ -236,6 +236,7 @@ def restore_policy(
                 extra["model_config"],
                 dtype=m.dtype,
                 param_dtype=m.param_dtype,
+                lm_head_dtype=m.lm_head_dtype,
                 remat=m.remat,
                 scan_layers=m.scan_layers,
                 lora=m.lora,

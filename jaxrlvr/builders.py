@@ -51,6 +51,7 @@ def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig
     choices = dict(
         dtype=m.dtype,
         param_dtype=m.param_dtype,
+        lm_head_dtype=m.lm_head_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
         lora=m.lora,

@@ -65,6 +65,9 @@ class ModelSection:
     tokenizer: str | None = None
     dtype: str = "float32"  # any spelling model.dtype_name accepts ("bf16", "bfloat16", ...)
     param_dtype: str = "float32"
+    # The lm_head's product dtype (``model.ModelConfig.lm_head_dtype``): "float32" with a
+    # bfloat16 ``dtype`` is the FP32 LM head of ScaleRL / MiniMax-M1; null: ``dtype``.
+    lm_head_dtype: str | None = None
     remat: bool = False
     scan_layers: bool = True
     # Low-rank adapters (``model.lora.LoRAConfig``: rank, alpha, dropout, targets, use_rslora):
@@ -101,6 +104,9 @@ class ModelSection:
         object.__setattr__(
             self, "param_dtype", dtype_name(self.param_dtype, argument="model.param_dtype")
         )
+        if self.lm_head_dtype is not None:
+            name = dtype_name(self.lm_head_dtype, argument="model.lm_head_dtype")
+            object.__setattr__(self, "lm_head_dtype", name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,6 +297,16 @@ class RLFields:
     it pays where prompts are a large share of a rollout (the demo: 60 %), while with long
     completions the longer rows' attention can cost more than the prompt copies it saves.
 
+    ``drop_zero_variance_groups``: a group whose rewards are all equal (advantage 0 for every
+    completion) leaves the loss: its tokens' loss weights are 0, so it adds nothing to a token
+    mean's or a prompt mean's count (ScaleRL's zero-variance filtering; with the seq_mean
+    aggregations B still counts its sequences). ``retire_pass_rate`` (ScaleRL's
+    No-Positive-Resampling; null: off): a prompt whose group's pass rate (mean ``answer_reward``)
+    reaches it in a step is never drawn again (``data.iterators.PromptIterator.retire``; saved in
+    the checkpoint's data state; not with ``curriculum``); ``data/retired`` counts them. With
+    ``loss.aggregation`` "prompt_mean_token_mean" (ScaleRL's prompt-level averaging) a group is
+    told apart by its shared prompt, so it needs ``packing`` and ``share_prompts``.
+
     ``max_tokens_per_microbatch`` (packing only): a token budget instead of a fixed
     ``microbatches``. Each step then takes the fewest microbatches (from the buckets 1, 2, 3, 4,
     6, 8, 12, ...) whose rows x the step's row length T stay within the budget, with rows per
@@ -343,6 +359,7 @@ class RLFields:
         default_factory=loss_config.PolicyLossConfig
     )
     drop_zero_variance_groups: bool = False
+    retire_pass_rate: float | None = None
     difficulty_filter: bool = False
     difficulty_filter_k: int = 4
     curriculum: bool = False
@@ -676,6 +693,22 @@ def check_rl_section(rl: RLSection) -> None:
                 f"{key} is less than one row of rl.max_tokens_per_row="
                 f"{rl.max_tokens_per_row} positions"
             )
+    rate = rl.retire_pass_rate
+    if rate is not None:
+        if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and 0 < rate <= 1):
+            raise ValueError(f"rl.retire_pass_rate={rate!r}: expected a number in (0, 1] or null")
+        if rl.curriculum:
+            raise ValueError(
+                "rl.retire_pass_rate retires problems from the plain data order; it cannot be "
+                "combined with rl.curriculum=true"
+            )
+    if rl.loss.aggregation == "prompt_mean_token_mean" and not (
+        rl.packing and rl.share_prompts and not rl.preference
+    ):
+        raise ValueError(
+            "rl.loss.aggregation=prompt_mean_token_mean tells a prompt's group by its shared "
+            "prompt: it needs rl.packing=true and rl.share_prompts=true (an online method)"
+        )
     if method is not None and method.check is not None:
         method.check(rl)  # the method's own checks of the section (its registration's)
 

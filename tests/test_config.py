@@ -145,3 +145,30 @@ def test_the_config_is_checked_once_in_one_order_whatever_way_it_is_made():
             {"env": {"tools": ["python"]}, "rl": {"mask_forced_tokens": False}},
         )
     assert str(e.value).startswith("TrainConfig: env.tools needs rl.mask_forced_tokens=true")
+
+
+def test_scalerl_demo_is_the_demo_with_the_recipe():
+    # configs/scalerl_demo.yaml: the demo task, CISPO, and each ScaleRL switch (docs/scalerl.md).
+    cfg = config_lib.load_config("configs/scalerl_demo.yaml")
+    cispo = config_lib.load_config("configs/cispo_demo.yaml")
+    assert cfg.rl.algo == "cispo" and cfg.data == cispo.data and cfg.sft == cispo.sft
+    assert cfg.rl.loss.aggregation == "prompt_mean_token_mean"
+    assert cfg.rl.advantage.scale == "batch_std" and cfg.rl.advantage.baseline == "mean"
+    assert cfg.model.lm_head_dtype == "float32"
+    assert cfg.rl.drop_zero_variance_groups
+    assert cfg.rl.retire_pass_rate == 0.9
+    assert cfg.rl.packing and cfg.rl.share_prompts
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rl.retire_pass_rate=1.5"], "rl.retire_pass_rate=1.5"),
+        (["rl.retire_pass_rate=0.9", "rl.curriculum=true"], "rl.curriculum"),
+        (["rl.loss.aggregation=prompt_mean_token_mean", "rl.share_prompts=false"], "share_prompts"),
+        (["model.lm_head_dtype=float16"], "model.lm_head_dtype"),
+    ],
+)
+def test_scalerl_switches_are_checked(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.load_config("configs/demo.yaml", overrides)

@@ -131,6 +131,29 @@ def test_other_algorithms_run(tmp_path, algo, extra):
 
 
 @pytest.mark.slow
+def test_scalerl_demo_runs(tmp_path):
+    """configs/scalerl_demo.yaml end to end on the tiny model (slow: a training run): CISPO with
+    prompt-level averaging over shared prompts, batch std, zero-variance filtering and
+    No-Positive-Resampling (a low threshold here, so that prompts retire in three steps)."""
+    run_dir = tmp_path / "scalerl"
+    runs.jaxrlvr(
+        "train",
+        "configs/scalerl_demo.yaml",
+        f"run.out_dir={run_dir}",
+        "sft.steps=2",
+        "rl.steps=3",
+        "rl.retire_pass_rate=0.125",
+        "eval.every=3",
+        "checkpoint.every=3",
+        *runs.TINY,
+    )
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    retired = [x["data/retired"] for x in lines if "data/retired" in x]
+    assert len(retired) == 3 and retired == sorted(retired)
+    assert all(np.isfinite(x["loss"]) for x in lines if "data/retired" in x)
+
+
+@pytest.mark.slow
 def test_field_options_run_and_report(tmp_path):
     """Difficulty filtering, curriculum sampling, zero-variance dropping, the Kimi length reward
     from step 1 and the DAPO overlong penalty, all in one short run."""

@@ -80,6 +80,7 @@ def cispo_loss(
     *,
     denominator: jax.Array | float,
     segment_ids_bt: jax.Array | None = None,
+    group_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This microbatch's share of the CISPO loss (formula in the module docstring).
 
@@ -93,6 +94,7 @@ def cispo_loss(
       cfg: the clip bounds.
       denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
       segment_ids_bt: int [B, T] of packed rows (``adv`` then per token); None: a row each.
+      group_ids_bt: int [B, T] shared-prompt group ids (prompt_mean_token_mean), or None.
     Returns:
       (loss scalar float32, metrics: sums plus counts, ``policy_loss``'s contract).
     """
@@ -117,7 +119,9 @@ def cispo_loss(
     a = jax.lax.stop_gradient(jnp.asarray(adv).astype(_f32))
     a = jnp.broadcast_to(a[:, None] if a.ndim == 1 else a, shape)
     per_token = -weight * a * lp_valid
-    loss = aggregation.aggregate(per_token, mask_bt, loss_cfg, denominator, segment_ids_bt)
+    loss = aggregation.aggregate(
+        per_token, mask_bt, loss_cfg, denominator, segment_ids_bt, group_ids_bt
+    )
 
     def tsum(x: jax.Array) -> jax.Array:
         return jnp.sum(aggregation.masked_rows(x.astype(_f32), mask_bt))
@@ -184,7 +188,9 @@ def make_cispo_update(
     _, spec = policy_gradient.policy_specs(cfg.loss, ("advantages",), (), cfg.num_microbatches)
 
     def full_batch(batch):
-        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+        return batch, aggregation.loss_denominator(
+            batch.loss_mask, cfg.loss, batch.segment_ids, batch.prompt_group_ids
+        )
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
@@ -201,6 +207,7 @@ def make_cispo_update(
             cfg.cispo,
             denominator=denom,
             segment_ids_bt=mb.segment_ids,
+            group_ids_bt=mb.prompt_group_ids,
         )
         metrics["policy_loss"] = metrics["loss"]
         return loss, metrics

@@ -349,6 +349,7 @@ def jsd_loss(
     *,
     denominator: jax.Array | float,
     segment_ids_bt: jax.Array | None = None,
+    group_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This microbatch's share of the aggregated JSD loss, and its metric sums.
 
@@ -358,6 +359,7 @@ def jsd_loss(
       loss_cfg: its ``aggregation`` (and ``norm_constant``) reduce the per-token values.
       denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
       segment_ids_bt: int [B, T] of packed rows, or None.
+      group_ids_bt: int [B, T] shared-prompt group ids (prompt_mean_token_mean), or None.
     Returns:
       (loss, metrics): ``loss`` (add over microbatches), ``distill/jsd_sum``, ``jsd_max``,
       ``token_count`` and ``seq_count`` (``policy_loss``'s contract).
@@ -365,7 +367,9 @@ def jsd_loss(
     loss_config.expect_array(jsd_bt, "jsd_bt", rank=2, kind="float")
     loss_config.expect_array(mask_bt, "mask_bt", shape=jsd_bt.shape, kind="mask")
     loss_config.expect_array(denominator, "denominator", rank=0)
-    loss = aggregation.aggregate(jsd_bt, mask_bt, loss_cfg, denominator, segment_ids_bt)
+    loss = aggregation.aggregate(
+        jsd_bt, mask_bt, loss_cfg, denominator, segment_ids_bt, group_ids_bt
+    )
     masked = jax.lax.stop_gradient(aggregation.masked_rows(jsd_bt, mask_bt))
     metrics = {
         "loss": jax.lax.stop_gradient(loss),
@@ -521,7 +525,9 @@ def make_distill_update(
         )
 
     def full_batch(batch):
-        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+        return batch, aggregation.loss_denominator(
+            batch.loss_mask, cfg.loss, batch.segment_ids, batch.prompt_group_ids
+        )
 
     def jsd_loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)
@@ -540,7 +546,12 @@ def make_distill_update(
             chunk_size=cfg.logprob_chunk_size,
         )
         loss, metrics = jsd_loss(
-            jsd_bt, mb.loss_mask, cfg.loss, denominator=denom, segment_ids_bt=mb.segment_ids
+            jsd_bt,
+            mb.loss_mask,
+            cfg.loss,
+            denominator=denom,
+            segment_ids_bt=mb.segment_ids,
+            group_ids_bt=mb.prompt_group_ids,
         )
         metrics["policy_loss"] = metrics["loss"]
         return loss, metrics
@@ -560,6 +571,7 @@ def make_distill_update(
             old_logp_bt=mb.old_logp,
             reward_adv=mb.advantages,
             segment_ids_bt=mb.segment_ids,
+            group_ids_bt=mb.prompt_group_ids,
             ref_logp_bt=mb.ref_logp,
             sampler_logp_bt=mb.sampler_logp,
             behaviour_logp_bt=mb.behaviour_logp,

@@ -107,7 +107,7 @@ def token_logprobs_from_hidden(
             logprobs_lib.vocab_parallel_head(
                 lm.config.vocab_size,
                 lm.mesh,
-                lm.config.compute_dtype,
+                lm.config.head_dtype,
                 (lambda w: w) if tied else (lambda w: w.T),
             )
             or head

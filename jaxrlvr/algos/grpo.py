@@ -62,7 +62,9 @@ def make_grpo_update(
     _, spec = policy_gradient.policy_specs(cfg.loss, ("advantages",), (), cfg.num_microbatches)
 
     def full_batch(batch):
-        return batch, aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+        return batch, aggregation.loss_denominator(
+            batch.loss_mask, cfg.loss, batch.segment_ids, batch.prompt_group_ids
+        )
 
     def loss_fn(params, mb, denom):
         lm = nnx.merge(graphdef, params)

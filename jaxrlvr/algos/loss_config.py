@@ -22,7 +22,11 @@ import numpy as np
 Baseline = Literal["mean", "rloo", "none"]
 AdvantageScale = Literal["group_std", "batch_std", "none"]
 Aggregation = Literal[
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "prompt_mean_token_mean",
 ]
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -169,7 +173,9 @@ class PolicyLossConfig:
     aggregation: "token_mean" (DAPO: mean over every valid token of the batch),
         "seq_mean_token_mean" (GRPO: mean over sequences of each sequence's token mean),
         "seq_mean_token_sum" (mean over sequences of token sums),
-        "seq_mean_token_sum_norm" (Dr. GRPO: token sums / (B * norm_constant)).
+        "seq_mean_token_sum_norm" (Dr. GRPO: token sums / (B * norm_constant)),
+        "prompt_mean_token_mean" (ScaleRL: mean over prompts of the token mean over all of a
+        prompt's G completions; needs packed rows with shared prompts, ``aggregation``).
     norm_constant: the Dr. GRPO constant (e.g. max new tokens); required by, and only used by,
         "seq_mean_token_sum_norm".
     clip_eps_low, clip_eps_high: ratio clipped to [1 - low, 1 + high] (DAPO clip-higher).

@@ -89,6 +89,7 @@ def policy_terms(
         behaviour_logp_bt=mb.behaviour_logp,
         entropy_bt=entropy_bt,
         segment_ids_bt=mb.segment_ids,
+        group_ids_bt=mb.prompt_group_ids,
     )
     metrics = dict(metrics)
     metrics["policy_loss"] = metrics["loss"]

@@ -58,6 +58,7 @@ def policy_loss(
     behaviour_logp_bt: jax.Array | None = None,
     entropy_bt: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
+    group_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This microbatch's share of the policy loss (formula in the module docstring).
 
@@ -81,6 +82,8 @@ def policy_loss(
       segment_ids_bt: int [B, T] of packed rows (``algos.segments``): the sequence-level terms
         (GSPO's ratio, sequence TIS, the seq_mean aggregations) are then per segment, and
         ``adv_b`` must be per token. None: one sequence per row.
+      group_ids_bt: int [B, T] shared-prompt group ids (``Batch.prompt_group_ids``), read by
+        the prompt_mean_token_mean aggregation.
     Returns:
       (loss scalar float32, metrics) as described in the module docstring.
     """
@@ -189,7 +192,7 @@ def policy_loss(
     per_token = pg + kl_term - cfg.entropy_coef * ent
 
     def agg(x: jax.Array) -> jax.Array:
-        return aggregation.aggregate(x, mask_bt, cfg, denominator, segment_ids_bt)
+        return aggregation.aggregate(x, mask_bt, cfg, denominator, segment_ids_bt, group_ids_bt)
 
     loss = agg(per_token)
 

@@ -170,7 +170,9 @@ def make_ppo_update(
 
     def full_batch(batch):
         adv_bt, returns_bt = ppo_advantages(batch, cfg)
-        denom = aggregation.loss_denominator(batch.loss_mask, cfg.loss, batch.segment_ids)
+        denom = aggregation.loss_denominator(
+            batch.loss_mask, cfg.loss, batch.segment_ids, batch.prompt_group_ids
+        )
         v_denom = aggregation.loss_denominator(batch.loss_mask, token_mean)
         return (batch, adv_bt, returns_bt), (denom, v_denom)
 

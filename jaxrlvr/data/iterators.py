@@ -2,7 +2,11 @@
 
 ``PromptIterator`` walks an epoch-wise permutation drawn from ``(seed, epoch)``, so the order is a
 pure function of the seed and the iterator's whole state is three integers (JSON-serialisable,
-stored in checkpoints beside the model).
+stored in checkpoints beside the model) and the ids it has retired. ``retire(ids)`` takes
+problems out of the pool for good (ScaleRL's No-Positive-Resampling, Khatri et al. 2025: a prompt
+solved at a pass rate >= 0.9 is not drawn again; the RL phase's ``rl.retire_pass_rate``): later
+batches skip them, and the permutations stay those of the full list, so a resumed run draws the
+same batches.
 
 ``CurriculumPromptIterator`` samples each batch (without replacement within the batch) with
 probability proportional to ``max(1 - success_rate, min_weight)``, using a per-problem
@@ -39,21 +43,43 @@ class PromptIterator:
         self.seed = int(seed)
         self.epoch = 0
         self.position = 0
+        self.retired: set[str] = set()
+        self._ids = {p.id for p in self.problems}
         self._order = self._permutation(self.epoch)
+
+    def retire(self, problem_ids: Sequence[str]) -> None:
+        """Never draw these problems again (ids not in this iterator's list are ignored)."""
+        self.retired.update(str(i) for i in problem_ids if str(i) in self._ids)
+
+    @property
+    def active(self) -> int:
+        """How many problems are still drawn (not retired)."""
+        return sum(p.id not in self.retired for p in self.problems)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
 
     def next_batch(self) -> list[loading.Problem]:
-        """The next ``batch_size`` problems; advances the position."""
+        """The next ``batch_size`` problems that are not retired; advances the position.
+
+        Raises:
+          ValueError: every problem is retired.
+        """
+        if self.retired and not self.active:
+            raise ValueError(
+                f"PromptIterator: all {len(self.problems)} problems are retired "
+                "(rl.retire_pass_rate); nothing is left to draw"
+            )
         batch = []
         while len(batch) < self.batch_size:
             if self.position == len(self.problems):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
-            batch.append(self.problems[self._order[self.position]])
+            problem = self.problems[self._order[self.position]]
             self.position += 1
+            if problem.id not in self.retired:
+                batch.append(problem)
         return batch
 
     def __iter__(self):
@@ -63,12 +89,14 @@ class PromptIterator:
         return self.next_batch()
 
     def state_dict(self) -> dict:
-        """``{"epoch", "position", "seed", "num_problems"}``, all ints (JSON-serialisable)."""
+        """``{"epoch", "position", "seed", "num_problems", "retired"}``: ints and the sorted
+        retired ids (JSON-serialisable)."""
         return {
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
             "num_problems": len(self.problems),
+            "retired": sorted(self.retired),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -84,6 +112,7 @@ class PromptIterator:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.retired = {str(i) for i in state.get("retired", ())}
         self._order = self._permutation(self.epoch)
 
 

@@ -71,6 +71,11 @@ class ShardedIterator:
         for it in self.iterators.values():
             it.update(ids, rewards)
 
+    def retire(self, ids) -> None:
+        """No-Positive-Resampling: each shard's iterator retires the ids it holds."""
+        for it in self.iterators.values():
+            it.retire(ids)
+
     def state_dict(self) -> dict:
         """``{"shards": {"<i>": state}}`` over every process's shards (via ``gather``)."""
         mine = {str(i): it.state_dict() for i, it in self.iterators.items()}

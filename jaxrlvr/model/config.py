@@ -117,6 +117,11 @@ class ModelConfig:
 
     ``dtype`` (compute) and ``param_dtype`` (storage) accept any spelling ``dtype_name`` does
     (``jnp.bfloat16``, ``np.float32``, ``"bf16"``...) and hold its canonical name afterwards.
+    ``lm_head_dtype``: the output projection's product dtype when it should differ from
+    ``dtype`` ("float32" with a bfloat16 model: the FP32 LM head of MiniMax-M1 and ScaleRL,
+    TRL's ``cast_lm_head_to_fp32``: the last hidden states and the head's weight enter the
+    product in float32 instead of being rounded to bfloat16); None: ``dtype``. The logits are
+    accumulated in float32 either way. Not part of config.json.
     """
 
     vocab_size: int
@@ -144,6 +149,7 @@ class ModelConfig:
     moe_impl: MoEImpl = "auto"
     dtype: DType = "float32"
     param_dtype: DType = "float32"
+    lm_head_dtype: DType | None = None
     remat: bool = False
     scan_layers: bool = True
     lora: LoRAConfig | None = None
@@ -155,6 +161,9 @@ class ModelConfig:
         for key in ("dtype", "param_dtype"):
             name = dtype_name(getattr(self, key), argument=f"ModelConfig({key}=...)")
             object.__setattr__(self, key, name)  # frozen: normalised once, here
+        if self.lm_head_dtype is not None:
+            name = dtype_name(self.lm_head_dtype, argument="ModelConfig(lm_head_dtype=...)")
+            object.__setattr__(self, "lm_head_dtype", name)
         only = tuple(sorted({int(i) for i in self.mlp_only_layers}))
         object.__setattr__(self, "mlp_only_layers", only)  # hashable (a static jit argument)
         for key in (
@@ -303,6 +312,11 @@ class ModelConfig:
     @property
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def head_dtype(self):
+        """The lm_head product's input dtype: ``lm_head_dtype``, else the compute dtype."""
+        return jnp.dtype(self.lm_head_dtype or self.dtype)
 
     @property
     def storage_dtype(self):

@@ -1007,9 +1007,10 @@ class CausalLM(nnx.Module):
         return self.lm_head.kernel.get_value()
 
     def lm_logits(self, hidden: jax.Array, weight: jax.Array | None = None, dtype=jnp.float32):
-        """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default).
+        """Logits [B, T, V] from hidden states, accumulated in ``dtype`` (float32 by default);
+        hidden states and weight enter the product in ``config.head_dtype``.
         ``weight``: ``lm_head_weight()`` passed explicitly (default: read here)."""
-        cd = self.config.compute_dtype
+        cd = self.config.head_dtype
         w = (self.lm_head_weight() if weight is None else weight).astype(cd)
         if self.lm_head is None:
             w = w.T

@@ -60,6 +60,22 @@ class GradedRollouts:
     fields: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
+def solved_problems(problems, scores, group_size: int, threshold: float) -> list[str]:
+    """No-Positive-Resampling (ScaleRL): the ids of the problems whose group of ``group_size``
+    completions (``scores`` prompt-major) passes at a rate (mean ``answer_reward``) of at least
+    ``threshold``; ``rl.retire_pass_rate`` takes them out of the pool for good."""
+    rates = np.asarray([s["answer_reward"] for s in scores], np.float64).reshape(-1, group_size)
+    if len(rates) != len(problems):
+        raise ValueError(f"{len(scores)} scores are not {len(problems)} groups of {group_size}")
+    return [p.id for p, r in zip(problems, rates.mean(1)) if r >= threshold]
+
+
+def _retired_count(iterator) -> int:
+    """Problems this process's iterator (or its shards' iterators) has retired."""
+    its = getattr(iterator, "iterators", {0: iterator}).values()
+    return sum(len(it.retired) for it in its)
+
+
 class RolloutSource:
     """Single-turn rollouts of the training problems (module docstring).
 
@@ -188,11 +204,14 @@ class RolloutSource:
         """The step's scores; feeds the curriculum (one ``CurriculumPromptIterator`` per data
         shard) with each problem's answer rewards."""
         scores, stats = self.score(problems, completions, self.rl.group_size)
+        g = self.rl.group_size
         if self.rl.curriculum:
-            g = self.rl.group_size
             self.iterator.update(
                 [p.id for p in problems for _ in range(g)], [s["answer_reward"] for s in scores]
             )
+        if self.rl.retire_pass_rate is not None:
+            # Each process retires the problems it drew, which its own data shards hold.
+            self.iterator.retire(solved_problems(problems, scores, g, self.rl.retire_pass_rate))
         return scores, stats
 
     # -- the step ---------------------------------------------------------------------------------
@@ -233,6 +252,8 @@ class RolloutSource:
             fields.update(f)
             pass_m.update(pm)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
+        if self.rl.retire_pass_rate is not None:
+            metrics["data/retired"] = float(_retired_count(self.iterator))
         return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:

@@ -33,10 +33,25 @@ def _batch(seed, b=8, t=6, empty_rows=(2,)):
     return lp, adv, mask
 
 
+def _groups(shape):
+    """Prompt-group ids [B, T]: three groups per row (tokens 0-1, 2-3, 4-), as shared-prompt
+    blocks lie whole in one row."""
+    b, t = shape
+    return np.repeat(np.minimum(np.arange(t) // 2 + 1, 3)[None, :], b, 0).astype(np.int32)
+
+
 def _reference(per_token, mask, mode):
     per_token, mask = per_token.astype(np.float64), mask.astype(np.float64)
     b = per_token.shape[0]
     sums = (per_token * mask).sum(-1)
+    if mode == "prompt_mean_token_mean":  # a Python loop over (row, group)
+        groups, means = _groups(mask.shape), []
+        for i in range(b):
+            for g in np.unique(groups[i]):
+                sel = groups[i] == g
+                if mask[i, sel].sum() > 0:
+                    means.append((per_token[i, sel] * mask[i, sel]).sum() / mask[i, sel].sum())
+        return np.mean(means)
     if mode == "token_mean":
         return sums.sum() / mask.sum()
     if mode == "seq_mean_token_mean":
@@ -51,8 +66,10 @@ def test_matches_reference_and_masked_entries_are_ignored(mode):
     lp, adv, mask = _batch(0)
     per_token = -adv[:, None] * lp
     per_token_poisoned = np.where(mask > 0, per_token, np.nan).astype(np.float32)
-    den = aggregation.loss_denominator(mask, _cfg(mode))
-    got = aggregation.aggregate(jnp.asarray(per_token_poisoned), mask, _cfg(mode), den)
+    den = aggregation.loss_denominator(mask, _cfg(mode), group_ids_bt=_groups(mask.shape))
+    got = aggregation.aggregate(
+        jnp.asarray(per_token_poisoned), mask, _cfg(mode), den, group_ids_bt=_groups(mask.shape)
+    )
     # float32 sums of 48 O(10) terms vs float64
     assert float(got) == pytest.approx(_reference(per_token, mask, mode), rel=1e-5)
 
@@ -61,11 +78,12 @@ def test_matches_reference_and_masked_entries_are_ignored(mode):
 def test_naive_loss_gradient_is_minus_adv_mask_over_normalizer(mode):
     lp, adv, mask = _batch(1)
     cfg = _cfg(mode)
-    den = aggregation.loss_denominator(mask, cfg)
+    groups = _groups(mask.shape)
+    den = aggregation.loss_denominator(mask, cfg, group_ids_bt=groups)
 
     def loss(x):
         per_token = losses.compute_naive_policy_gradient_loss(adv[:, None], x)
-        return aggregation.aggregate(per_token, mask, cfg, den)
+        return aggregation.aggregate(per_token, mask, cfg, den, group_ids_bt=groups)
 
     grad = np.asarray(jax.grad(loss)(jnp.asarray(lp)))
     b = lp.shape[0]
@@ -74,13 +92,31 @@ def test_naive_loss_gradient_is_minus_adv_mask_over_normalizer(mode):
         "seq_mean_token_mean": b * np.maximum(mask.sum(-1, keepdims=True), 1),
         "seq_mean_token_sum": np.full((b, 1), b),
         "seq_mean_token_sum_norm": np.full((b, 1), b * C),
+        "prompt_mean_token_mean": _prompt_normalizer(mask),
     }[mode]
     # one multiply and one divide per entry: within 2 ulps
     np.testing.assert_allclose(grad, -adv[:, None] * mask / normalizer, rtol=1e-6)
 
 
+def _prompt_normalizer(mask):
+    """P x (each token's group token count), [B, T] (1 where the group has no loss token)."""
+    groups = _groups(mask.shape)
+    counts = np.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        for g in np.unique(groups[i]):
+            sel = groups[i] == g
+            counts[i, sel] = mask[i, sel].sum()
+    num_groups = sum(
+        mask[i, groups[i] == g].sum() > 0
+        for i in range(mask.shape[0])
+        for g in np.unique(groups[i])
+    )
+    return num_groups * np.maximum(counts, 1)
+
+
 def _microbatched_grad(fn, lp, adv, mask, cfg, n_micro):
-    den = aggregation.loss_denominator(jnp.asarray(mask), cfg)  # full batch, before the loop
+    # full batch, before the loop
+    den = aggregation.loss_denominator(jnp.asarray(mask), cfg, group_ids_bt=_groups(mask.shape))
     grads, total = [], 0.0
     for lp_m, adv_m, mask_m in zip(
         np.split(lp, n_micro), np.split(adv, n_micro), np.split(mask, n_micro), strict=True
@@ -93,7 +129,7 @@ def _microbatched_grad(fn, lp, adv, mask, cfg, n_micro):
 
 def _naive(lp, adv, mask, cfg, den):
     per_token = losses.compute_naive_policy_gradient_loss(adv[:, None], lp)
-    return aggregation.aggregate(per_token, mask, cfg, den)
+    return aggregation.aggregate(per_token, mask, cfg, den, group_ids_bt=_groups(mask.shape))
 
 
 @settings(max_examples=25, deadline=None)
@@ -116,7 +152,8 @@ def test_per_microbatch_token_mean_would_differ():
     _, g_global = _microbatched_grad(_naive, lp, adv, mask, cfg, 4)
 
     def local(lp_, adv_, mask_, cfg_, den):
-        return _naive(lp_, adv_, mask_, cfg_, aggregation.loss_denominator(mask_, cfg_)) / 4
+        den_ = aggregation.loss_denominator(mask_, cfg_, group_ids_bt=_groups(mask_.shape))
+        return _naive(lp_, adv_, mask_, cfg_, den_) / 4
 
     _, g_local = _microbatched_grad(local, lp, adv, mask, cfg, 4)
     assert np.max(np.abs(g_local - g_global)) > 1e-3
@@ -127,7 +164,7 @@ def test_all_masked_batch_is_finite():
     mask = np.zeros_like(lp)
     for mode in MODES:
         cfg = _cfg(mode)
-        den = aggregation.loss_denominator(mask, cfg)
+        den = aggregation.loss_denominator(mask, cfg, group_ids_bt=_groups(mask.shape))
         val, g = jax.value_and_grad(_naive)(jnp.asarray(lp), adv, mask, cfg, den)
         assert float(val) == 0.0 and np.all(np.asarray(g) == 0.0)
 
@@ -138,6 +175,28 @@ def test_denominators():
     assert float(aggregation.loss_denominator(mask, _cfg("seq_mean_token_mean"))) == 8
     assert float(aggregation.loss_denominator(mask, _cfg("seq_mean_token_sum"))) == 8
     assert float(aggregation.loss_denominator(mask, _cfg("seq_mean_token_sum_norm"))) == 8 * C
+    # Prompt groups with any loss token: every row has its first token, rows with > 2 and > 4
+    # tokens their second and third groups; the all-masked row 2 has none.
+    groups = _groups(mask.shape)
+    lengths = mask.sum(-1)
+    expected = (lengths > 0).sum() + (lengths > 2).sum() + (lengths > 4).sum()
+    den = aggregation.loss_denominator(mask, _cfg("prompt_mean_token_mean"), group_ids_bt=groups)
+    assert float(den) == expected
+
+
+def test_prompt_mean_drops_masked_groups_and_needs_group_ids():
+    # A prompt whose group is masked out whole (zero-variance filtering) leaves the mean and its
+    # count: the loss is the mean over the remaining prompts.
+    per_token = np.asarray([[1.0, 3.0, 10.0, 10.0], [5.0, 7.0, 9.0, 0.0]], np.float32)
+    mask = np.asarray([[1, 1, 0, 0], [1, 1, 1, 0]], np.float32)
+    groups = np.asarray([[1, 1, 2, 2], [1, 2, 2, 0]], np.int32)
+    cfg = _cfg("prompt_mean_token_mean")
+    den = aggregation.loss_denominator(mask, cfg, group_ids_bt=groups)
+    got = aggregation.aggregate(jnp.asarray(per_token), mask, cfg, den, group_ids_bt=groups)
+    assert float(den) == 3.0
+    assert float(got) == pytest.approx((2.0 + 5.0 + 8.0) / 3)
+    with pytest.raises(ValueError, match="prompt_group_ids"):
+        aggregation.loss_denominator(mask, cfg)
 
 
 class AggregationVariantsTest(chex.TestCase):
@@ -148,7 +207,9 @@ class AggregationVariantsTest(chex.TestCase):
             cfg = _cfg(mode)
 
             def fn(x, m, cfg=cfg):
-                return aggregation.aggregate(x, m, cfg, aggregation.loss_denominator(m, cfg))
+                g = _groups(m.shape)
+                den = aggregation.loss_denominator(m, cfg, group_ids_bt=g)
+                return aggregation.aggregate(x, m, cfg, den, group_ids_bt=g)
 
             # reductions of 48 float32 terms; XLA may reorder the sum under jit
             chex.assert_trees_all_close(

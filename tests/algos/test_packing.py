@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxrlvr import model as M
 from jaxrlvr import rollout
-from jaxrlvr.algos import algorithm, gae, grpo, loss_config, ppo, segments, sft, value
+from jaxrlvr.algos import aggregation, algorithm, gae, grpo, loss_config, ppo, segments, sft, value
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.sampling.base import Completion
 
@@ -377,3 +377,51 @@ def test_segment_helpers_and_batch_validation():
         **base, advantages=np.zeros((2, 4), np.float32), segment_ids=ids, positions=ids
     )
     assert batch_lib.validate_batch(ok, spec) == (2, 4)
+
+
+def test_grpo_prompt_mean_with_shared_prompts_equals_reweighted_padded(model):
+    # ScaleRL's prompt-level averaging on a shared-prompt batch in 2 microbatches, against an
+    # independent form of the same objective: the padded batch's seq_mean_token_sum (sum of
+    # token terms / B) with each advantage scaled by B / (P * N_g), N_g its group's loss tokens.
+    # A positive scale of A scales GRPO's clipped token term by the same factor (clipping
+    # decisions depend only on A's sign), so the two gradients are equal.
+    cfg, graphdef, params0, params1 = model
+    padded, shared = _both(cfg.vocab_size, share_prompts=True)
+    mask = np.asarray(padded.loss_mask, np.float64)
+    n_seq = mask.shape[0]
+    n_g = np.repeat(mask.reshape(-1, G, mask.shape[1]).sum((1, 2)), G)
+    scale = n_seq / (n_g.size // G * n_g)
+    reweighted = padded.replace(advantages=(padded.advantages * scale).astype(np.float32))
+
+    def algo(aggregation):
+        loss = loss_config.PolicyLossConfig(aggregation=aggregation)
+        update = grpo.GRPOUpdateConfig(loss=loss, num_microbatches=2)
+        return grpo.grpo_algorithm(graphdef, SGD, update)
+
+    g_ref, _ = _step(algo("seq_mean_token_sum"), params0, params1, reweighted)
+    g_prompt, m = _step(algo("prompt_mean_token_mean"), params0, params1, shared)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_prompt)):
+        np.testing.assert_allclose(b, a, rtol=TOL, atol=TOL)
+    assert float(m["grad_norm"]) > 1e-3
+
+
+def test_zero_variance_groups_leave_the_prompt_mean():
+    # ScaleRL's zero-variance filtering (rl.drop_zero_variance_groups) on a shared-prompt batch:
+    # a group whose rewards are all equal keeps no loss token, and the prompt-level denominator
+    # counts only the other prompts.
+    prompts, completions, scores = _rollouts(64)
+    for s in scores[G : 2 * G]:  # the second prompt's group: every reward 1
+        s.update(reward=1.0, answer_reward=1.0)
+    cfg = rollout.ShapingConfig(
+        group_size=G, packing=True, share_prompts=True, drop_zero_variance_groups=True
+    )
+    batch, metrics = rollout.shape(prompts, completions, scores, cfg, pad_id=0)
+    assert metrics["zero_variance_group_fraction"] == pytest.approx(1 / 3)
+    loss = loss_config.PolicyLossConfig(aggregation="prompt_mean_token_mean")
+    den = aggregation.loss_denominator(
+        batch.loss_mask, loss, batch.segment_ids, batch.prompt_group_ids
+    )
+    assert float(den) == pytest.approx(2.0, rel=1e-6)  # a float32 sum of 1 / N_g terms
+    # Exactly the dropped group's tokens left the mask.
+    kept = sum(len(c.token_ids) for i, c in enumerate(completions) if not G <= i < 2 * G)
+    assert float(np.sum(batch.loss_mask)) == kept

@@ -44,13 +44,22 @@ def _batch(seed, b=8, t=5, gap=0.5):
     old, ref, sampler = f(), f(), f()
     ent = rng.uniform(0, 2, size=(b, t)).astype(np.float32)
     adv = rng.normal(size=(b,)).astype(np.float32)
-    return dict(lp=lp, old=old, adv=adv, mask=mask, ref=ref, sampler=sampler, ent=ent)
+    # Two prompt groups per row (ScaleRL's prompt-level aggregation reads them; a group lies in
+    # one row, as a shared-prompt block does).
+    groups = np.where(np.arange(t)[None, :] < t // 2, 1, 2).repeat(b, 0).astype(np.int32)
+    return dict(
+        lp=lp, old=old, adv=adv, mask=mask, ref=ref, sampler=sampler, ent=ent, groups=groups
+    )
 
 
 def _run(d, cfg, lp=None, mask=None, den=None, **overrides):
     mask = d["mask"] if mask is None else mask
-    den = aggregation.loss_denominator(mask, cfg) if den is None else den
-    kwargs = dict(ref_logp_bt=d["ref"], sampler_logp_bt=d["sampler"], entropy_bt=d["ent"])
+    groups = d.get("groups")
+    den = aggregation.loss_denominator(mask, cfg, group_ids_bt=groups) if den is None else den
+    kwargs = dict(
+        ref_logp_bt=d["ref"], sampler_logp_bt=d["sampler"], entropy_bt=d["ent"],
+        group_ids_bt=groups,
+    )  # fmt: skip
     kwargs.update(overrides)
     return policy_loss.policy_loss(
         jnp.asarray(d["lp"] if lp is None else lp), d["old"], d["adv"], mask, cfg,
@@ -267,7 +276,7 @@ def test_one_vs_four_microbatches_full_objective(mode):
         clip_eps_high=0.28,
     )
     d = _batch(5, gap=0.4)
-    den = aggregation.loss_denominator(d["mask"], cfg)
+    den = aggregation.loss_denominator(d["mask"], cfg, group_ids_bt=d["groups"])
     full = jax.grad(lambda x: _run(d, cfg, lp=x, den=den)[0])(jnp.asarray(d["lp"]))
     parts, acc = [], policy_loss.metrics_identity(_run(d, cfg, den=den)[1])
     for idx in np.split(np.arange(8), 4):

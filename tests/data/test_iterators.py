@@ -39,7 +39,7 @@ def test_state_roundtrip_mid_epoch_through_json():
     for _ in range(2):  # position 8 of epoch 0
         it.next_batch()
     state = json.loads(json.dumps(it.state_dict()))
-    assert state == {"epoch": 0, "position": 8, "seed": 7, "num_problems": 10}
+    assert state == {"epoch": 0, "position": 8, "seed": 7, "num_problems": 10, "retired": []}
     expected = _ids(it.next_batch() for _ in range(5))  # crosses into epochs 1 and 2
     resumed = data.PromptIterator(PROBLEMS, batch_size=4, seed=999)  # seed comes from the state
     resumed.load_state_dict(state)
@@ -110,3 +110,49 @@ def test_curriculum_validation():
     dup = PROBLEMS[:2] + [PROBLEMS[0]]
     with pytest.raises(ValueError, match="unique problem ids"):
         iterators.CurriculumPromptIterator(dup, batch_size=1)
+
+
+def test_retired_problems_leave_the_pool_for_good_and_resume():
+    # No-Positive-Resampling (ScaleRL): retired ids are never drawn again, across epochs and
+    # after a restore from the saved state.
+    it = data.PromptIterator(PROBLEMS, batch_size=4, seed=1)
+    it.next_batch()
+    it.retire(["p0", "p3", "p7", "unknown"])
+    assert it.retired == {"p0", "p3", "p7"} and it.active == 7
+    state = json.loads(json.dumps(it.state_dict()))
+    drawn = _ids(it.next_batch() for _ in range(10))
+    assert not {"p0", "p3", "p7"} & {i for b in drawn for i in b}
+    assert {i for b in drawn for i in b} == {f"p{i}" for i in range(10)} - {"p0", "p3", "p7"}
+    again = data.PromptIterator(PROBLEMS, batch_size=4, seed=1)
+    again.load_state_dict(state)
+    assert _ids(again.next_batch() for _ in range(10)) == drawn
+    it.retire([p.id for p in PROBLEMS])
+    with pytest.raises(ValueError, match="all 10 problems are retired"):
+        it.next_batch()
+
+
+def test_sharded_iterator_retires_in_each_shard():
+    from jaxrlvr.data import shards
+
+    sharded = shards.ShardedIterator(
+        {0: PROBLEMS[:5], 1: PROBLEMS[5:]},
+        lambda items, seed: data.PromptIterator(items, 2, seed=seed),
+        seed=0,
+    )
+    sharded.retire(["p1", "p6"])
+    assert sharded.iterators[0].retired == {"p1"} and sharded.iterators[1].retired == {"p6"}
+    drawn = {p.id for _ in range(8) for p in sharded.next_batch()}
+    assert "p1" not in drawn and "p6" not in drawn
+
+
+def test_solved_problems_are_the_groups_at_the_threshold():
+    # RolloutSource.grade retires these (rl.retire_pass_rate): pass rate over the group's G.
+    from jaxrlvr.phases import sources
+
+    g = 4
+    rewards = [1, 1, 1, 1] + [1, 1, 1, 0] + [0, 0, 0, 0]
+    scores = [{"answer_reward": float(r)} for r in rewards]
+    assert sources.solved_problems(PROBLEMS[:3], scores, g, 0.9) == ["p0"]
+    assert sources.solved_problems(PROBLEMS[:3], scores, g, 0.75) == ["p0", "p1"]
+    with pytest.raises(ValueError, match="not 2 groups of 4"):
+        sources.solved_problems(PROBLEMS[:2], scores, g, 0.9)

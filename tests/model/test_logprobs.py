@@ -185,3 +185,37 @@ def test_masked_chunks_are_skipped_and_exact_on_the_mask():
         lambda h: logprobs_lib.logprobs_from_hidden(h, head, labels, chunk_size=4, mask_bt=mask)
     )(hidden)
     assert "cond" in str(jaxpr)
+
+
+def test_fp32_lm_head_of_a_bf16_model():
+    # model.lm_head_dtype=float32 (ScaleRL's FP32 LM head): a bf16 model's last hidden states
+    # and the float32 master weight enter the head's product in float32, the weight unrounded;
+    # the default head rounds it to bf16 first. Same parameters, same hidden states.
+    bf16 = M.ModelConfig.tiny(tie_word_embeddings=False, dtype="bfloat16")
+    fp32_head = bf16.replace(lm_head_dtype="float32")
+    assert fp32_head.head_dtype == jnp.float32 and bf16.head_dtype == jnp.bfloat16
+    rng = np.random.default_rng(0)
+
+    def graph_and_params(cfg):
+        """The model's graph (traced only: a random init costs seconds on a loaded CPU) and
+        random float32 parameters of its shapes."""
+        graphdef, shapes = nnx.split(nnx.eval_shape(lambda: M.init_model(cfg, seed=0)), nnx.Param)
+        return graphdef, jax.tree.map(
+            lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), shapes
+        )
+
+    graphdef, params = graph_and_params(bf16)
+    lm = nnx.merge(graphdef, params)
+    lm32 = nnx.merge(graph_and_params(fp32_head)[0], params)  # the same parameters
+    # bf16 hidden states as the backbone hands them over (the head is all this test runs).
+    hidden = jnp.asarray(rng.normal(size=(B, T, bf16.hidden_size)), jnp.bfloat16)
+    w = np.asarray(lm.lm_head_weight(), np.float32)
+    w_dv = w  # the untied kernel [D, V] (a tied head reads the same weight transposed)
+    h = np.asarray(hidden.astype(jnp.float32))
+    want = np.einsum("btd,dv->btv", h.astype(np.float64), w_dv.astype(np.float64))
+    got32 = np.asarray(lm32.lm_logits(hidden))
+    got16 = np.asarray(lm.lm_logits(hidden))
+    assert got32.dtype == np.float32 and got16.dtype == np.float32
+    np.testing.assert_allclose(got32, want, rtol=1e-5, atol=1e-5)
+    # Rounding the weight to bf16 costs ~1e-3 relative per product: far above float32's error.
+    assert np.max(np.abs(got16 - want)) > 20 * np.max(np.abs(got32 - want))
