@@ -338,7 +338,10 @@ class RLFields:
     sampler-vs-trainer routing disagreement from the update's own forward (no extra forward;
     nothing under replay), "full" also the k3 gap of the trainer with and without replay every
     ``routing_metrics_every`` steps (two extra forwards on those steps), "off" none
-    (``routing/*``).
+    (``routing/*``). ``reference_routes``: whether the KL reference's log-prob pass replays
+    those routes: "auto" (default) only under LoRA (the reference is then the policy's own base,
+    verl's rule), "replay" always, "live" never (the reference routes itself, as slime runs
+    it); the distillation teacher never replays (``algos.routing``).
     """
 
     # A method that trains on pairs (dpo, ipo, simpo, orpo) is an offline preference phase on
@@ -377,6 +380,7 @@ class RLFields:
     routing_replay: routing.ReplayMode = "none"
     routing_metrics: routing.MetricsMode = "basic"
     routing_metrics_every: int = 1
+    reference_routes: routing.ReferenceRoutes = "auto"
 
     @property
     def rollouts_per_step(self) -> int:
@@ -668,6 +672,7 @@ def check_rl_section(rl: RLSection) -> None:
         )
     routing.check_mode(rl.routing_replay)
     routing.check_mode(rl.routing_metrics, "rl.routing_metrics", routing.MetricsMode)
+    routing.check_mode(rl.reference_routes, "rl.reference_routes", routing.ReferenceRoutes)
     every = rl.routing_metrics_every
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"rl.routing_metrics_every={every!r}: expected an int >= 1")

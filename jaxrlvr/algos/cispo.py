@@ -225,6 +225,7 @@ def cispo_algorithm(
     mesh: Any = None,
     epochs_per_batch: int = 1,
     logprob_microbatches: int | None = None,
+    reference_routes: str = "auto",
 ) -> algorithm_lib.Algorithm:
     """CISPO as a record (``policy_gradient.policy_gradient_algorithm``): the old pass only with
     several epochs (one epoch on fresh rollouts: weight 1 without it)."""
@@ -239,6 +240,7 @@ def cispo_algorithm(
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,
         logprob_microbatches=logprob_microbatches,
+        reference_routes=reference_routes,
     )
 
 
@@ -251,6 +253,7 @@ def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algo
         CISPOUpdateConfig(cispo=cfg.rl.cispo, **policy_gradient.run_fields(cfg, microbatches)),
         mesh=mesh,
         epochs_per_batch=cfg.rl.epochs_per_step,
+        reference_routes=cfg.rl.reference_routes,
     )
 
 

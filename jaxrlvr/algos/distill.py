@@ -32,9 +32,22 @@ Two signals, both on completions the student sampled itself (on-policy: Agarwal 
 
    The endpoints are defined directly, as TRL does (the mixture formula itself vanishes at 0
    and 1). Over the full vocabulary (``generalized_jsd``) or over the teacher's top-k tokens
-   (``generalized_jsd_topk``: the student's logits gathered at the teacher's top-k ids and both
-   distributions renormalised over those K tokens, as TRL's server distillation and ms-swift
-   do; with K = V it equals the full one). It is a loss differentiated through the student's
+   (``generalized_jsd_topk``), in one of two forms:
+
+   - the tail bucket (the default; TRL's server distillation ``_add_tail_bucket``,
+     ``loss_add_tail=True``): the student's full-vocabulary log-probs gathered at the teacher's
+     top-k ids and the teacher's top-k log-probs each get a (K+1)-th bucket holding the rest
+     of the mass, log(1 - sum_k p_k) (the log-sum clamped at <= -1e-7), and the divergence
+     runs over the K+1 buckets. A student that puts its mass outside the teacher's top-k is
+     punished for it: with the teacher 98.5 % inside its top 4 and the student 23 %, the
+     reverse KL is 3.07 with the tail, 1.63 renormalised, 3.68 over the vocabulary (the
+     test of this example). It needs normalised teacher log-probs at temperature 1 (what both
+     teachers return), so another temperature is refused with it;
+   - renormalised (``top_k_tail: false``; ms-swift, and TRL with ``loss_add_tail=False``):
+     both distributions renormalised over the K tokens. It ignores the student's mass
+     outside the teacher's top-k, and at K = 1 it is exactly 0 (refused).
+
+   With K = V both equal the full one. It is a loss differentiated through the student's
    whole distribution, never an advantage: a divergence summed over the vocabulary does not
    depend on the sampled token, so as an advantage its expected gradient is 0 (miles issue 2362).
 
@@ -91,13 +104,19 @@ class DistillConfig:
         before any compute unless ``teacher`` is set.
     signal: "reverse_kl" (the per-token advantage, needs the teacher's log-prob of each sampled
         token) or "jsd" (the generalised JSD loss, needs the teacher's logits or top-k).
-    kl_coef: the reverse-KL advantage's coefficient (>= 0).
-    reward_coef: the verifiable reward's advantage coefficient (>= 0; 0: pure distillation).
+    kl_coef: the reverse-KL advantage's coefficient (>= 0); under "jsd" the JSD loss's (> 0).
+    reward_coef: the verifiable reward's advantage coefficient (>= 0; 0: pure distillation);
+        refused under "jsd" (no advantage to mix it into).
     beta: the JSD's interpolation in [0, 1] (0 forward KL, 1 reverse KL; TRL's convention).
-    temperature: both distributions are softmax(logits / temperature) in the JSD (> 0).
-    top_k: the JSD over the teacher's top-k tokens (renormalised); None: the full vocabulary
-        (refused by the update: it would need the teacher's [B, T, V] logits in the batch).
-        The reverse KL ignores it.
+    temperature: both distributions are softmax(logits / temperature) in the JSD (> 0); only
+        1 with ``top_k_tail`` (the teacher's top-k log-probs are at temperature 1, and its tail
+        at another temperature is unknown).
+    top_k: the JSD over the teacher's top-k tokens; None: the full vocabulary (refused by the
+        update: it would need the teacher's [B, T, V] logits in the batch). The reverse KL
+        ignores it.
+    top_k_tail: the JSD over the top-k plus a tail bucket for the rest of the mass (True, the
+        default, TRL's ``loss_add_tail``) or renormalised over the top-k (False; module
+        docstring). Under "jsd", ``top_k: 1`` needs the tail (renormalised it is exactly 0).
     """
 
     signal: Signal = "reverse_kl"
@@ -106,6 +125,7 @@ class DistillConfig:
     beta: float = 1.0
     temperature: float = 1.0
     top_k: int | None = 32
+    top_k_tail: bool = True
     teacher: str | None = None
     teachers: dict[str, str] = dataclasses.field(default_factory=dict)
     teacher_dtype: str = "float32"
@@ -130,6 +150,26 @@ class DistillConfig:
             raise ValueError(f"distill.temperature must be > 0, got {self.temperature!r}")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise ValueError(f"distill.top_k must be None or an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_k_tail, bool):
+            raise ValueError(f"distill.top_k_tail must be true or false, got {self.top_k_tail!r}")
+        if self.signal != "jsd":
+            return
+        if self.top_k == 1 and not self.top_k_tail:
+            raise ValueError(
+                "distill.top_k=1 with distill.top_k_tail=false renormalises the JSD over one "
+                "token: its loss and gradient are exactly 0 (set top_k_tail: true or top_k >= 2)"
+            )
+        if self.top_k_tail and self.temperature != 1:
+            raise ValueError(
+                f"distill.temperature={self.temperature!r} with distill.top_k_tail=true: the "
+                "teacher's top-k log-probs are at temperature 1 and its tail at another is "
+                "unknown (set temperature: 1.0 or top_k_tail: false)"
+            )
+        if not self.kl_coef > 0:
+            raise ValueError(
+                "distill.kl_coef=0 under distill.signal='jsd' scales the JSD loss to 0: nothing "
+                "is trained (set kl_coef > 0)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +249,11 @@ def reverse_kl_policy_loss(
       segment_ids_bt: int [B, T] of packed rows, or None.
     Returns:
       (loss, metrics): ``policy_loss``'s metrics plus ``distill/reverse_kl_sum`` (sum over loss
-      tokens of log pi_s - log pi_t, the k1 estimate of the per-token reverse KL),
-      ``distill/reverse_kl_k3_sum`` (k3 estimate) and ``distill/teacher_logp_sum``.
+      tokens of log pi_s - log pi_t, each clamped to [-c, c] with c = ``loss_cfg``'s
+      ``log_ratio_clamp``, 20 by default: the k1 estimate of the per-token reverse KL),
+      ``distill/reverse_kl_k3_sum`` (the k3 estimate of the same clamped log-ratios) and
+      ``distill/teacher_logp_sum`` (unclamped). The student's log-prob is ``old_logp_bt``'s when
+      given, else ``logp_bt``'s.
     """
     loss_config.expect_array(logp_bt, "logp_bt", rank=2, kind="float")
     shape = logp_bt.shape
@@ -308,6 +351,17 @@ def generalized_jsd(
     return jsd_from_logprobs(s, t, beta)
 
 
+def add_tail_bucket(topk_logp: jax.Array) -> jax.Array:
+    """The top-k log-probs [..., K] with a (K+1)-th bucket for the rest of the mass,
+    log(1 - sum_k exp(logp_k)), float32 [..., K+1] (TRL's server distillation
+    ``_add_tail_bucket``: the log-sum clamped at <= -1e-7, so a top-k holding all the mass
+    gives a tail of about 1e-7 rather than log 0). ``topk_logp`` must be normalised log-probs
+    (over the whole vocabulary), not logits."""
+    lp = topk_logp.astype(_f32)
+    log_s = jnp.minimum(jax.nn.logsumexp(lp, axis=-1, keepdims=True), -1e-7)
+    return jnp.concatenate([lp, jnp.log(-jnp.expm1(log_s))], axis=-1)
+
+
 def generalized_jsd_topk(
     student_logits: jax.Array,
     teacher_topk_ids: jax.Array,
@@ -315,19 +369,31 @@ def generalized_jsd_topk(
     *,
     beta: float = 1.0,
     temperature: float = 1.0,
+    tail: bool = True,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """Per-position generalised JSD over the teacher's top-k tokens, float32 [...].
 
-    The student's logits at ``teacher_topk_ids`` and the teacher's log-probs there are each
-    renormalised over those K tokens (after dividing by ``temperature``; the teacher's
-    normaliser cancels), then ``jsd_from_logprobs``. With K = V (every token) it equals
-    ``generalized_jsd``.
+    ``tail`` True (the default, module docstring): the student's full-vocabulary log-probs
+    gathered at ``teacher_topk_ids`` and ``teacher_topk_logp`` each with ``add_tail_bucket``,
+    then ``jsd_from_logprobs`` over the K+1 buckets; ``temperature`` must be 1. ``tail`` False:
+    the student's logits there and the teacher's log-probs each renormalised over the K tokens
+    (after dividing by ``temperature``; the teacher's normaliser cancels). With K = V
+    (every token) both equal ``generalized_jsd``.
+
+    ``mask`` (optional, [...]): positions outside it get a uniform stand-in for the teacher's
+    entries (ids 0..K-1, log-probs -log(K+1)) BEFORE the divergence and 0 after, so NaN or
+    out-of-range teacher values on padding reach neither the value nor the gradient (a mask
+    applied only after would give 0 * NaN = NaN gradients).
 
     Args:
       student_logits: floating [..., V] (differentiated).
       teacher_topk_ids: int [..., K] the teacher's top-k token ids (distinct per position).
-      teacher_topk_logp: floating [..., K] the teacher's log-probs (or logits) of those tokens.
+      teacher_topk_logp: floating [..., K] the teacher's log-probs of those tokens (with
+        ``tail`` normalised over the vocabulary; renormalised, logits do as well).
       beta, temperature: as ``generalized_jsd``.
+      tail: the tail bucket (True) or renormalised (False).
+      mask: [...] 0/1 positions to compute, or None (all).
     """
     loss_config.expect_array(student_logits, "student_logits", kind="float")
     lead = student_logits.shape[:-1]
@@ -336,10 +402,31 @@ def generalized_jsd_topk(
     loss_config.expect_array(teacher_topk_ids, "teacher_topk_ids", shape=(*lead, k))
     loss_config.expect_array(teacher_topk_logp, "teacher_topk_logp", shape=(*lead, k), kind="float")
     _check_beta_temperature(beta, temperature)
-    picked = jnp.take_along_axis(student_logits.astype(_f32), teacher_topk_ids, axis=-1)
-    s = jax.nn.log_softmax(picked / temperature, axis=-1)
-    t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_topk_logp.astype(_f32)) / temperature, -1)
-    return jsd_from_logprobs(s, t, beta)
+    if tail and temperature != 1:
+        raise ValueError(
+            f"temperature={temperature!r} with the tail bucket: the teacher's top-k log-probs "
+            "are at temperature 1 (use tail=False to renormalise at another temperature)"
+        )
+    if not tail and k == 1:
+        raise ValueError("renormalised over K=1 token the JSD is exactly 0: use tail=True")
+    teacher = jax.lax.stop_gradient(teacher_topk_logp.astype(_f32))
+    if mask is not None:
+        loss_config.expect_array(mask, "mask", shape=lead, kind="mask")
+        keep = (jnp.asarray(mask) != 0)[..., None]
+        teacher_topk_ids = jnp.where(
+            keep, teacher_topk_ids, jnp.arange(k, dtype=teacher_topk_ids.dtype)
+        )
+        teacher = jnp.where(keep, teacher, -jnp.log(k + 1.0))
+    if tail:
+        s_full = jax.nn.log_softmax(student_logits.astype(_f32), axis=-1)
+        s = add_tail_bucket(jnp.take_along_axis(s_full, teacher_topk_ids, axis=-1))
+        t = add_tail_bucket(teacher)
+    else:
+        picked = jnp.take_along_axis(student_logits.astype(_f32), teacher_topk_ids, axis=-1)
+        s = jax.nn.log_softmax(picked / temperature, axis=-1)
+        t = jax.nn.log_softmax(teacher / temperature, axis=-1)
+    out = jsd_from_logprobs(s, t, beta)
+    return out if mask is None else jnp.where(jnp.asarray(mask) != 0, out, 0.0)
 
 
 def jsd_loss(
@@ -350,8 +437,9 @@ def jsd_loss(
     denominator: jax.Array | float,
     segment_ids_bt: jax.Array | None = None,
     group_ids_bt: jax.Array | None = None,
+    coef: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """This microbatch's share of the aggregated JSD loss, and its metric sums.
+    """This microbatch's share of ``coef`` times the aggregated JSD loss, and its metric sums.
 
     Args:
       jsd_bt: floating [B, T] per-position divergence (``generalized_jsd(_topk)``).
@@ -360,6 +448,7 @@ def jsd_loss(
       denominator: ``aggregation.loss_denominator`` of the FULL batch's mask.
       segment_ids_bt: int [B, T] of packed rows, or None.
       group_ids_bt: int [B, T] shared-prompt group ids (prompt_mean_token_mean), or None.
+      coef: the loss's coefficient (``distill.kl_coef``); the metrics are of the unscaled JSD.
     Returns:
       (loss, metrics): ``loss`` (add over microbatches), ``distill/jsd_sum``, ``jsd_max``,
       ``token_count`` and ``seq_count`` (``policy_loss``'s contract).
@@ -367,7 +456,7 @@ def jsd_loss(
     loss_config.expect_array(jsd_bt, "jsd_bt", rank=2, kind="float")
     loss_config.expect_array(mask_bt, "mask_bt", shape=jsd_bt.shape, kind="mask")
     loss_config.expect_array(denominator, "denominator", rank=0)
-    loss = aggregation.aggregate(
+    loss = coef * aggregation.aggregate(
         jsd_bt, mask_bt, loss_cfg, denominator, segment_ids_bt, group_ids_bt
     )
     masked = jax.lax.stop_gradient(aggregation.masked_rows(jsd_bt, mask_bt))
@@ -393,12 +482,13 @@ class DistillUpdateConfig:
       (aggregation, clipping, KL to a reference, entropy, off-policy correction) and
       ``DistillConfig``'s coefficients; the rollouts carry ``teacher_logp`` (and
       ``advantages`` when ``reward_coef`` > 0).
-    - "jsd": ``jsd_loss`` of ``generalized_jsd_topk`` (``beta``, ``temperature``) over the
-      teacher's top ``distill.top_k`` tokens, which the rollouts carry as
-      ``teacher_topk_ids`` / ``teacher_topk_logp`` [B, T, K]; only ``loss.aggregation`` (and
-      ``norm_constant``) of ``PolicyLossConfig`` applies, so a reference KL, an entropy bonus,
-      an off-policy correction and the reward mix are refused (the full-vocabulary JSD would
-      need the teacher's [B, T, V] logits in the batch: refused too).
+    - "jsd": ``distill.kl_coef`` times ``jsd_loss`` of ``generalized_jsd_topk`` (``beta``,
+      ``temperature``, ``top_k_tail``) over the teacher's top ``distill.top_k`` tokens, which
+      the rollouts carry as ``teacher_topk_ids`` / ``teacher_topk_logp`` [B, T, K]; only
+      ``loss.aggregation`` (and ``norm_constant``) of ``PolicyLossConfig`` applies, so a
+      reference KL, an entropy bonus, an off-policy correction and the reward mix are refused
+      (the full-vocabulary JSD would need the teacher's [B, T, V] logits in the batch: refused
+      too).
 
     ``num_microbatches`` and ``logprob_chunk_size`` as ``grpo.GRPOUpdateConfig`` (the chunk size
     also bounds the JSD's [B, chunk, V] student logits).
@@ -450,6 +540,7 @@ def topk_jsd_from_hidden(
     *,
     beta: float,
     temperature: float = 1.0,
+    tail: bool = True,
     chunk_size: int | None = None,
 ) -> jax.Array:
     """Per-position ``generalized_jsd_topk`` of the student's logits (``lm.lm_logits`` of its
@@ -464,14 +555,16 @@ def topk_jsd_from_hidden(
     Args:
       lm: the student (``model.CausalLM``); hidden_btd: [B, T, D] its final hidden states.
       teacher_topk_ids: int [B, T, K]; teacher_topk_logp: floating [B, T, K].
-      mask_bt: [B, T] loss mask.
+      mask_bt: [B, T] loss mask (applied before the divergence: ``generalized_jsd_topk``).
+      beta, temperature, tail: as ``generalized_jsd_topk``.
     """
     b, t = mask_bt.shape
     keep = jnp.asarray(mask_bt) != 0
 
     def compute(h, ids, lp, k):
-        jsd = generalized_jsd_topk(lm.lm_logits(h), ids, lp, beta=beta, temperature=temperature)
-        return jnp.where(k, jsd, 0.0)
+        return generalized_jsd_topk(
+            lm.lm_logits(h), ids, lp, beta=beta, temperature=temperature, tail=tail, mask=k
+        )
 
     if chunk_size is None or chunk_size >= t:
         return compute(hidden_btd, teacher_topk_ids, teacher_topk_logp, keep)
@@ -514,7 +607,8 @@ def make_distill_update(
     ``behaviour_logp`` as GRPO's update. Metrics: GRPO's plus ``distill/reverse_kl`` (k1, mean
     over loss tokens), ``distill/reverse_kl_k3`` and ``distill/teacher_logp``. JSD: the batch
     needs ``teacher_topk_ids`` / ``teacher_topk_logp`` [B, T, K]; metrics ``loss``,
-    ``policy_loss``, ``distill/jsd`` (mean over loss tokens), ``distill/jsd_max``."""
+    ``policy_loss`` (both ``distill.kl_coef`` times the JSD), ``distill/jsd`` (the unscaled JSD,
+    mean over loss tokens), ``distill/jsd_max``."""
     cfg = cfg or DistillUpdateConfig()
     entropy_grad = cfg.loss.entropy_coef != 0
     if cfg.distill.signal == "jsd":
@@ -543,6 +637,7 @@ def make_distill_update(
             mb.loss_mask,
             beta=cfg.distill.beta,
             temperature=cfg.distill.temperature,
+            tail=cfg.distill.top_k_tail,
             chunk_size=cfg.logprob_chunk_size,
         )
         loss, metrics = jsd_loss(
@@ -552,6 +647,7 @@ def make_distill_update(
             denominator=denom,
             segment_ids_bt=mb.segment_ids,
             group_ids_bt=mb.prompt_group_ids,
+            coef=cfg.distill.kl_coef,
         )
         metrics["policy_loss"] = metrics["loss"]
         return loss, metrics
@@ -599,6 +695,7 @@ def distill_algorithm(
     epochs_per_batch: int = 1,
     rollouts_may_be_stale: bool = False,
     logprob_microbatches: int | None = None,
+    reference_routes: str = "auto",
 ) -> algorithm_lib.Algorithm:
     """On-policy distillation (``make_distill_update``) as a record: GRPO's ``init`` / ``prepare``
     (the frozen KL reference when ``loss.kl_coef`` > 0; the old pass with several epochs or
@@ -627,6 +724,7 @@ def distill_algorithm(
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,
         logprob_microbatches=logprob_microbatches,
+        reference_routes=reference_routes,
     )
 
 
@@ -642,6 +740,7 @@ def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algo
         ),
         mesh=mesh,
         epochs_per_batch=cfg.rl.epochs_per_step,
+        reference_routes=cfg.rl.reference_routes,
         rollouts_may_be_stale=cfg.rl.max_staleness > 0,
     )
 

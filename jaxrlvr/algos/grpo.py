@@ -94,6 +94,7 @@ def grpo_algorithm(
     epochs_per_batch: int = 1,
     rollouts_may_be_stale: bool = False,
     logprob_microbatches: int | None = None,
+    reference_routes: str = "auto",
 ) -> algorithm_lib.Algorithm:
     """GRPO and its variants (``make_grpo_update`` on per-sequence advantages), each batch
     trained ``epochs_per_batch`` times per ``update`` call (``algorithm.with_epochs``).
@@ -125,6 +126,7 @@ def grpo_algorithm(
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,
         logprob_microbatches=logprob_microbatches,
+        reference_routes=reference_routes,
     )
 
 
@@ -137,6 +139,7 @@ def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algo
         GRPOUpdateConfig(**policy_gradient.run_fields(cfg, microbatches)),
         mesh=mesh,
         epochs_per_batch=cfg.rl.epochs_per_step,
+        reference_routes=cfg.rl.reference_routes,
         rollouts_may_be_stale=cfg.rl.max_staleness > 0,
     )
 

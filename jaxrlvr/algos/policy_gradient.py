@@ -24,8 +24,9 @@ from flax import nnx
 
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import batch as batch_lib
-from jaxrlvr.algos import engine, loss_config, policy_loss
+from jaxrlvr.algos import engine, loss_config, policy_loss, routing
 from jaxrlvr.algos import state as state_lib
+from jaxrlvr.model import lora
 
 Metrics = dict[str, jax.Array]
 LOGPROB_FIELDS = ("ref_logp", "sampler_logp", "old_logp", "behaviour_logp")
@@ -102,9 +103,15 @@ def policy_passes(
     rollouts: batch_lib.Batch,
     *,
     old: bool = True,
+    reference_routes: str = "auto",
 ) -> tuple[batch_lib.Batch, Metrics]:
     """The rollouts with ``old_logp`` (the current policy's; skipped when ``old`` is False) and,
     when the state holds a KL reference, ``ref_logp``.
+
+    MoE routes (``rollouts.routes``) are replayed in the old pass; in the reference's only as
+    ``reference_routes`` says (``routing.reference_batch``: "auto", the default, replays under
+    LoRA only; "replay"; "live"), so by default the KL penalty compares with the reference under
+    its own experts, not the sampler's (R3) or the policy's (R2).
 
     The sampler/trainer gap needs no pass of its own: the update reports it as ``logp_diff_abs``
     (mean over loss tokens), ``logp_diff_abs_max`` and the ``offpolicy/*`` diagnostics whenever
@@ -114,7 +121,12 @@ def policy_passes(
     """
     old_logp = logprob_fn(state.params, rollouts)[0] if old else None
     ref = state.reference_params()
-    ref_logp = None if ref is None else logprob_fn(ref, rollouts)[0]
+    ref_logp = None
+    if ref is not None:
+        at = routing.reference_batch(
+            rollouts, reference_routes, lora=lora.has_adapters(state.params)
+        )
+        ref_logp = logprob_fn(ref, at)[0]
     return rollouts.replace(old_logp=old_logp, ref_logp=ref_logp), {}
 
 
@@ -151,6 +163,7 @@ def policy_gradient_algorithm(
     critic: Callable[[nnx.State, jax.Array], object] | None = None,
     value_tx: optax.GradientTransformation | None = None,
     extra_pass: Callable[[state_lib.TrainState, batch_lib.Batch], batch_lib.Batch] | None = None,
+    reference_routes: str = "auto",
 ) -> algorithm_lib.Algorithm:
     """The record skeleton of a policy-gradient method, in one order: resolve the optimiser,
     build the one-epoch update (``make_update(tx, schedule)``; ``cfg``: the method's update
@@ -158,12 +171,14 @@ def policy_gradient_algorithm(
     rollout spec (``policy_specs`` of ``rollout_fields`` / ``update_fields`` unless
     ``rollout_spec`` is given), the log-prob function (in
     ``logprob_microbatches`` chunks, default the update's), ``prepare`` (``policy_passes``: the
-    reference's log-probs when ``loss.kl_coef`` > 0, the old policy's when ``old``; then
+    reference's log-probs when ``loss.kl_coef`` > 0, MoE routes replayed there as
+    ``reference_routes`` says, the old policy's when ``old``; then
     ``extra_pass(state, batch)`` if given, e.g. PPO's rollout-time values; then the update's
     fields), ``init`` (``algorithm.make_init`` with the KL reference, and PPO's ``critic`` /
     ``value_tx``), and ``with_epochs``."""
     tx, schedule = algorithm_lib.resolve_optimizer(optimizer)
     engine.check_epochs(epochs_per_batch)
+    routing.check_mode(reference_routes, "rl.reference_routes", routing.ReferenceRoutes)
     update = make_update(tx, schedule)
     if rollout_spec is None:
         rollout_spec, _ = policy_specs(
@@ -177,7 +192,9 @@ def policy_gradient_algorithm(
     )
 
     def prepare(state, rollouts):
-        batch, metrics = policy_passes(logprob_fn, state, rollouts, old=old)
+        batch, metrics = policy_passes(
+            logprob_fn, state, rollouts, old=old, reference_routes=reference_routes
+        )
         if extra_pass is not None:
             batch = extra_pass(state, batch)
         return algorithm_lib.select_fields(batch, update.batch_spec), metrics

@@ -239,6 +239,7 @@ def ppo_algorithm(
     value_optimizer: algorithm_lib.Optimizer | None = None,
     logprob_microbatches: int | None = None,
     epochs_per_batch: int = 1,
+    reference_routes: str = "auto",
 ) -> algorithm_lib.Algorithm:
     """PPO with GAE (``make_ppo_update``), the critic built by ``init``, each batch trained
     ``epochs_per_batch`` times per ``update`` call (``algorithm.with_epochs``).
@@ -292,6 +293,7 @@ def ppo_algorithm(
         mesh=mesh,
         epochs_per_batch=epochs_per_batch,
         logprob_microbatches=logprob_microbatches,
+        reference_routes=reference_routes,
         critic=critic,
         value_tx=value_tx,
         extra_pass=rollout_values,
@@ -311,6 +313,7 @@ def build(cfg, graphdef, params_shape, mesh, microbatches) -> algorithm_lib.Algo
         params_shape=params_shape,
         mesh=mesh,
         epochs_per_batch=cfg.rl.epochs_per_step,
+        reference_routes=cfg.rl.reference_routes,
     )
 
 

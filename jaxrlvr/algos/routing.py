@@ -8,7 +8,12 @@ forces the trainer's forward onto the experts the rollout used.
 - ``Batch.routes`` [B, T, L, k] (``algos.batch``) holds, per input token and MoE layer, the
   experts to use (-1: the live top-k). ``to_model`` turns it into the decoder's ``routes``
   [L, B, T, k]; ``engine.token_logprobs`` and ``engine.make_logprob_fn`` pass it on, so every
-  update's training forward and every ``prepare`` pass (old / reference log-probs) replays it.
+  update's training forward and the old policy's ``prepare`` pass replay it. The reference's
+  pass does not by default (``reference_batch``, ``rl.reference_routes``): the KL penalty
+  compares with the reference as it routes itself, as slime runs it (replay "fallthrough" for
+  the reference and the distillation teacher) and verl except under LoRA, where the reference
+  is the policy's own base without the adapters and the routes are replayed (the "auto"
+  default does the same). A distillation teacher is another model: its passes never replay.
   Only the selection is replayed: the gate weights come from the live float32 router softmax at
   the chosen experts (``model.moe.select_experts``), so the router keeps its gradient.
 - Modes (``ReplayMode``, the driver's ``rl.routing_replay``): ``"none"`` (routes are dropped
@@ -44,6 +49,8 @@ from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.algos import kl
 
 ReplayMode = Literal["none", "r3", "r2"]
+# The reference log-prob pass's routes (``reference_batch``): "auto" replays only under LoRA.
+ReferenceRoutes = Literal["auto", "replay", "live"]
 # The diagnostics' cost (``passes.routing_replay``): from the update's own forward, plus two
 # extra forwards for the k3 gap, or none.
 MetricsMode = Literal["basic", "full", "off"]
@@ -53,6 +60,21 @@ def check_mode(mode: str, key: str = "rl.routing_replay", choices: Any = ReplayM
     """Refuse ``mode`` unless it is one of the Literal ``choices`` (one line naming ``key``)."""
     if mode not in get_args(choices):
         raise ValueError(f"{key}={mode!r}: expected one of {', '.join(get_args(choices))}")
+
+
+def replays_reference(mode: str, lora: bool) -> bool:
+    """Whether the reference's log-prob pass replays the batch's routes under
+    ``rl.reference_routes`` = ``mode``: "replay" always, "live" never, "auto" only when the
+    policy has LoRA adapters (``lora``; the reference is then the same base network, verl's
+    rule)."""
+    check_mode(mode, "rl.reference_routes", ReferenceRoutes)
+    return mode == "replay" or (mode == "auto" and lora)
+
+
+def reference_batch(batch: batch_lib.Batch, mode: str, *, lora: bool) -> batch_lib.Batch:
+    """The batch the reference's log-prob pass runs on: ``batch`` itself when it replays
+    (``replays_reference``), else without ``routes`` (the reference's own top-k experts)."""
+    return batch if replays_reference(mode, lora) else batch.replace(routes=None)
 
 
 class RouteError(ValueError):

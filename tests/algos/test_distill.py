@@ -94,19 +94,153 @@ def test_generalized_jsd_topk_matches_numpy_and_full_at_k_equal_v(beta):
     t_logp = _log_softmax(t)
     ids = np.argsort(-t, axis=-1)[..., :k].astype(np.int32)
     top_logp = np.take_along_axis(t_logp, ids, axis=-1).astype(np.float32)
-    got = distill.generalized_jsd_topk(s, ids, top_logp, beta=beta, temperature=1.5)
+    got = distill.generalized_jsd_topk(s, ids, top_logp, beta=beta, temperature=1.5, tail=False)
     # Reference: both restricted to the teacher's top-k tokens and renormalised there.
     want = _np_jsd(np.take_along_axis(s, ids, axis=-1), top_logp, beta, temperature=1.5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # K = V, ids in any order: the full-vocabulary divergence.
     all_ids = np.argsort(-t, axis=-1).astype(np.int32)
     full_logp = np.take_along_axis(t_logp, all_ids, axis=-1).astype(np.float32)
-    np.testing.assert_allclose(
-        distill.generalized_jsd_topk(s, all_ids, full_logp, beta=beta),
-        distill.generalized_jsd(s, t, beta=beta),
-        rtol=1e-5,
-        atol=1e-6,
+    for tail in (True, False):  # the tail holds ~1e-7 (the clamp) in both: no change
+        np.testing.assert_allclose(
+            distill.generalized_jsd_topk(s, all_ids, full_logp, beta=beta, tail=tail),
+            distill.generalized_jsd(s, t, beta=beta),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+def _np_tail(topk_logp):
+    """TRL's ``_add_tail_bucket`` in float64: log(1 - sum_k p_k) (log-sum clamped <= -1e-7)."""
+    lp = np.asarray(topk_logp, np.float64)
+    log_s = np.minimum(np.log(np.sum(np.exp(lp), axis=-1, keepdims=True)), -1e-7)
+    return np.concatenate([lp, np.log(-np.expm1(log_s))], axis=-1)
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_tail_bucket_jsd_equals_trls_formula(beta, k):
+    """The default top-k form: both the student's full-vocabulary log-probs at the teacher's
+    top-k ids and the teacher's top-k log-probs get TRL's tail bucket; the divergence over the
+    K+1 buckets equals an independent float64 computation to 1e-6 (K = 1 included: 2 buckets).
+    The teacher's tails here hold >= 1 % of its mass: 1 - sum_k p_k in float32 (as in TRL)
+    keeps fewer digits of a tail near 1e-4."""
+    rng = np.random.default_rng(11 + k)
+    v = 50
+    s = rng.normal(scale=2.0, size=(3, 5, v)).astype(np.float32)
+    t_logp = _log_softmax(rng.normal(scale=1.5, size=(3, 5, v)))
+    ids = np.argsort(-t_logp, axis=-1)[..., :k].astype(np.int32)
+    top_logp = np.take_along_axis(t_logp, ids, axis=-1).astype(np.float32)
+    got = distill.generalized_jsd_topk(s, ids, top_logp, beta=beta)
+    want = _np_jsd(
+        _np_tail(np.take_along_axis(_log_softmax(s), ids, axis=-1)), _np_tail(top_logp), beta
     )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert np.all(want > 1e-3)  # not the renormalised K = 1 zero
+    assert np.all(1 - np.exp(top_logp.astype(np.float64)).sum(-1) > 0.01)
+
+
+def _bisect(f, lo, hi, target, n=80):
+    """x in [lo, hi] with f(x) = target, f increasing."""
+    for _ in range(n):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_issue_example_tail_moves_the_top_k_reverse_kl_to_the_full_one():
+    """Issue 48's example: a teacher with 98.5 % of its mass in its top 4 and a student with
+    23 % there, built so that the reverse KL (beta 1) is 1.63 renormalised over the top 4 and
+    3.68 over the vocabulary. With the tail the top-4 value is
+    0.23 (1.63 + log(0.23 / 0.985)) + 0.77 log(0.77 / 0.015) = 3.07, whatever the rest's shape."""
+    v, k = 1000, 4
+    rng = np.random.default_rng(0)
+    t_top = 0.985 * np.array([0.7, 0.2, 0.07, 0.03])
+    t = np.concatenate([t_top, np.full(v - k, 0.015 / (v - k))])
+    w = np.array([0.0, 1.0, 2.0, 3.0])
+
+    def kl(a, b):
+        return float(np.sum(a * np.log(a / b)))
+
+    def top_shape(x):  # the student's top-4 shape, away from the teacher's as x grows
+        return np.exp(x * w) / np.exp(x * w).sum()
+
+    x = _bisect(lambda x: kl(top_shape(x), t_top / 0.985), 0.0, 10.0, 1.63)
+    z = rng.normal(size=v - k)
+
+    def rest_shape(a):
+        return np.exp(a * z) / np.exp(a * z).sum()
+
+    uniform = np.full(v - k, 1 / (v - k))
+    a = _bisect(
+        lambda a: kl(rest_shape(a), uniform),
+        0.0,
+        10.0,
+        (
+            3.68
+            - 0.23 * kl(top_shape(x), t_top / 0.985)
+            - 0.23 * np.log(0.23 / 0.985)
+            - 0.77 * np.log(0.77 / 0.015)
+        )
+        / 0.77,
+    )
+    s = np.concatenate([0.23 * top_shape(x), 0.77 * rest_shape(a)])
+    assert kl(s, t) == pytest.approx(3.68, abs=1e-6)
+
+    s_logits = np.log(s).astype(np.float32)[None]
+    ids = np.arange(k, dtype=np.int32)[None]
+    t_logp = np.log(t_top).astype(np.float32)[None]
+    full = float(distill.generalized_jsd(s_logits, np.log(t).astype(np.float32)[None])[0])
+    renorm = float(distill.generalized_jsd_topk(s_logits, ids, t_logp, tail=False)[0])
+    tail = float(distill.generalized_jsd_topk(s_logits, ids, t_logp)[0])
+    assert full == pytest.approx(3.68, abs=1e-4)
+    assert renorm == pytest.approx(1.63, abs=1e-4)
+    assert tail == pytest.approx(
+        0.23 * (1.63 + np.log(0.23 / 0.985)) + 0.77 * np.log(0.77 / 0.015), abs=1e-4
+    )
+    # the tail closes 70 % of the renormalised form's gap to the full-vocabulary value
+    assert renorm < tail <= full and full - tail < 0.3 * (full - renorm)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_nan_teacher_on_padding_gives_finite_jsd_gradients(tail):
+    """The mask is applied before the divergence: NaN teacher log-probs and out-of-range ids on
+    padded positions change neither the loss nor its (finite) gradient."""
+    rng = np.random.default_rng(5)
+    v, k = 11, 3
+    s = rng.normal(size=(2, 4, v)).astype(np.float32)
+    t_logp = _log_softmax(rng.normal(scale=2.0, size=(2, 4, v)))
+    ids = np.argsort(-t_logp, axis=-1)[..., :k].astype(np.int32)
+    top = np.take_along_axis(t_logp, ids, axis=-1).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+    bad_top, bad_ids = top.copy(), ids.copy()
+    bad_top[mask == 0] = np.nan
+    bad_ids[mask == 0] = 10**6
+    cfg = PLC(aggregation="token_mean")
+    den = aggregation.loss_denominator(mask, cfg)
+
+    def loss(x, ids, top):
+        jsd = distill.generalized_jsd_topk(x, ids, top, beta=0.5, tail=tail, mask=mask)
+        return distill.jsd_loss(jsd, mask, cfg, denominator=den)[0]
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss))  # one program for both inputs
+    clean_v, clean_g = value_and_grad(s, ids, top)
+    bad_v, bad_g = value_and_grad(s, bad_ids, bad_top)
+    assert np.all(np.isfinite(bad_g)) and float(bad_v) > 0
+    np.testing.assert_array_equal(bad_v, clean_v)
+    np.testing.assert_array_equal(bad_g, clean_g)
+    np.testing.assert_array_equal(bad_g[mask == 0], 0.0)
+
+
+def test_jsd_loss_coefficient_scales_the_loss_not_the_metrics():
+    rng = np.random.default_rng(6)
+    jsd = rng.uniform(size=(2, 5)).astype(np.float32)
+    mask = np.ones((2, 5), np.float32)
+    cfg = PLC(aggregation="token_mean")
+    one, m1 = distill.jsd_loss(jsd, mask, cfg, denominator=10.0)
+    two, m2 = distill.jsd_loss(jsd, mask, cfg, denominator=10.0, coef=2.5)
+    assert float(two) == pytest.approx(2.5 * float(one), rel=1e-6)
+    assert float(m2["distill/jsd_sum"]) == float(m1["distill/jsd_sum"])
 
 
 def _categorical(seed, v=6):
@@ -241,10 +375,26 @@ def test_bad_config_and_shapes_are_one_line_errors():
         ({"top_k": 0}, "distill.top_k"),
         ({"signal": "kl"}, "distill.signal"),
         ({"kl_coef": -1.0}, "distill.kl_coef"),
+        ({"top_k_tail": "no"}, "distill.top_k_tail"),
+        ({"signal": "jsd", "top_k": 1, "top_k_tail": False}, "^distill.top_k=1 with .*exactly 0"),
+        ({"signal": "jsd", "temperature": 2.0}, "^distill.temperature=2.0 with distill.top_k_t"),
+        ({"signal": "jsd", "kl_coef": 0.0}, "^distill.kl_coef=0 under distill.signal='jsd'"),
     ]:
-        with pytest.raises(ValueError, match=key):
+        with pytest.raises(ValueError, match=key) as e:
             distill.DistillConfig(**kw)
+        assert "\n" not in str(e.value)
+    distill.DistillConfig(signal="jsd", top_k=1)  # with the tail: two buckets, a real signal
+    distill.DistillConfig(signal="jsd", temperature=2.0, top_k_tail=False)
+    distill.DistillConfig(top_k=1, top_k_tail=False, kl_coef=0.0)  # reverse KL: top_k unused
     s = np.zeros((2, 3, 5), np.float32)
+    with pytest.raises(ValueError, match="^temperature=2.0 with the tail bucket"):
+        distill.generalized_jsd_topk(
+            s, np.zeros((2, 3, 2), np.int32), np.zeros((2, 3, 2)), temperature=2.0
+        )
+    with pytest.raises(ValueError, match="^renormalised over K=1 token"):
+        distill.generalized_jsd_topk(
+            s, np.zeros((2, 3, 1), np.int32), np.zeros((2, 3, 1)), tail=False
+        )
     with pytest.raises(AssertionError, match="teacher_logits"):
         distill.generalized_jsd(s, np.zeros((2, 3, 6), np.float32))
     with pytest.raises(AssertionError, match="teacher_topk_ids"):
@@ -269,7 +419,10 @@ class DistillVariantsTest(chex.TestCase):
                 lp, teacher, mask, cfg, dcfg, denominator=den, reward_adv=reward, ref_logp_bt=ref
             )
             per_pos = distill.generalized_jsd(s, t, beta=0.5, temperature=1.3)
-            top = distill.generalized_jsd_topk(s, ids, jnp.take_along_axis(t, ids, -1), beta=0.0)
+            t_logp = jax.nn.log_softmax(t, axis=-1)
+            top = distill.generalized_jsd_topk(
+                s, ids, jnp.take_along_axis(t_logp, ids, -1), beta=0.0
+            )
             return rkl, distill.jsd_loss(per_pos, mask, cfg, denominator=den), top
 
         args = (lp, teacher, mask, s, t, ids, reward, ref)
@@ -360,11 +513,11 @@ def test_jsd_record_matches_the_direct_loss_and_trains_towards_the_teacher_top_k
     ids, top_logp = (np.asarray(x) for x in teacher.topk(rollouts, k))
     rollouts = rollouts.replace(teacher_topk_ids=ids, teacher_topk_logp=top_logp)
     mask = np.asarray(rollouts.loss_mask)
-    dcfg = distill.DistillConfig(signal="jsd", beta=0.5, temperature=1.2, top_k=k)
+    dcfg = distill.DistillConfig(signal="jsd", beta=0.5, top_k=k)  # the tail bucket (default)
 
     def direct(p):  # the unchunked per-position JSD from a plain forward, token mean
         logits = nnx.merge(graphdef, p)(rollouts.input_ids, rollouts.attention_mask)
-        jsd = distill.generalized_jsd_topk(logits, ids, top_logp, beta=0.5, temperature=1.2)
+        jsd = distill.generalized_jsd_topk(logits, ids, top_logp, beta=0.5)
         return float(np.sum(mask * np.asarray(jsd)) / mask.sum())
 
     algo = distill.distill_algorithm(
@@ -381,7 +534,9 @@ def test_jsd_record_matches_the_direct_loss_and_trains_towards_the_teacher_top_k
         if step == 0:  # chunked, in two microbatches: the direct loss
             assert float(metrics["loss"]) == pytest.approx(before, rel=1e-5)
             assert float(metrics["distill/jsd"]) == pytest.approx(before, rel=1e-5)
-    assert direct(state.params) < 0.5 * before
+    # With the tail the student's mass outside the teacher's top 8 (of 64) is in the loss too:
+    # six steps took it 0.295 -> 0.191 (renormalised at temperature 1.2 they halved it).
+    assert direct(state.params) < 0.75 * before
 
 
 def test_teacher_top_k_batch_fields_are_validated_on_the_host():

@@ -469,3 +469,59 @@ def test_completion_routes_from_a_sampler_are_checked_before_packing(completions
         routing.RouteError, match=r"^completion 1: Completion.routes\[2, 1, 0\] = 9"
     ):
         rp.host(None, PROMPTS, bad)
+
+
+def test_reference_and_teacher_passes_route_themselves_unless_told(lm, completions):
+    """The KL reference's log-prob pass (``policy_gradient.policy_passes``, a record's
+    ``prepare``) on a batch whose forced routes differ from the model's own: by default
+    (``rl.reference_routes: auto``, no LoRA) ``ref_logp`` is the un-forced forward's, as slime
+    runs the reference; with "replay" the forced one's, and with "auto" under LoRA too (the
+    reference is then the policy's base, verl's rule). The old policy's pass replays always.
+    A local distillation teacher (another network) never replays: slime's "fallthrough"."""
+    import optax
+
+    from jaxrlvr import config as config_lib
+    from jaxrlvr import teachers
+    from jaxrlvr.algos import grpo, policy_gradient
+    from jaxrlvr.algos.loss_config import PolicyLossConfig
+    from jaxrlvr.model import lora
+
+    routes = _other_routes(completions, seed=4)
+    _, batch = _rows(completions, routes)
+    batch = jax.tree.map(jnp.asarray, batch.replace(advantages=np.zeros(4, np.float32)))
+    valid = np.asarray(batch.loss_mask) > 0
+    cfg = grpo.GRPOUpdateConfig(loss=PolicyLossConfig(kl_coef=0.1))
+    lora_lm = M.CausalLM(
+        dataclasses.replace(CFG, lora=lora.LoRAConfig(rank=2, alpha=4.0)), rngs=nnx.Rngs(1)
+    )
+    for model, cases in ((lm, (("auto", False), ("replay", True))), (lora_lm, (("auto", True),))):
+        graphdef, params = nnx.split(model, nnx.Param)
+        fn = jax.jit(engine.make_logprob_fn(graphdef))  # one program each: routes or none
+        forced = np.asarray(fn(params, batch)[0])
+        live = np.asarray(fn(params, batch.replace(routes=None))[0])
+        assert np.max(np.abs(forced - live)[valid]) > 1e-3  # the forced experts matter
+        if model is lm:  # the teacher's pass on the student's batch, forced routes and all
+            teacher = np.asarray(teachers.LocalTeacher(graphdef, params).batch_logprobs(batch))
+            np.testing.assert_allclose(teacher[valid], live[valid], atol=1e-6)
+        for mode, replayed in cases:
+            algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.0), cfg, reference_routes=mode)
+            got, _ = policy_gradient.policy_passes(
+                fn, algo.init(params, 0), batch, reference_routes=mode
+            )
+            want = forced if replayed else live
+            np.testing.assert_allclose(np.asarray(got.ref_logp)[valid], want[valid], atol=1e-6)
+            np.testing.assert_array_equal(np.asarray(got.old_logp), forced)
+    # The record wires its ``reference_routes`` into ``prepare`` (the non-default one here).
+    graphdef, params = nnx.split(lm, nnx.Param)
+    algo = grpo.grpo_algorithm(graphdef, optax.sgd(0.0), cfg, reference_routes="replay")
+    prepared = jax.jit(algo.prepare)(algo.init(params, 0), batch)[0]
+    fn = jax.jit(engine.make_logprob_fn(graphdef))
+    np.testing.assert_allclose(
+        np.asarray(prepared.ref_logp)[valid], np.asarray(fn(params, batch)[0])[valid], atol=1e-5
+    )
+    with pytest.raises(ValueError, match="^rl.reference_routes='r3': expected one of auto"):
+        grpo.grpo_algorithm(graphdef, optax.sgd(0.0), cfg, reference_routes="r3")
+    with pytest.raises(ValueError, match="rl.reference_routes"):
+        config_lib.load_config("configs/demo.yaml", ["rl.reference_routes=r3"])
+    run = config_lib.load_config("configs/demo.yaml", ["rl.reference_routes=replay"])
+    assert run.rl.reference_routes == "replay"
