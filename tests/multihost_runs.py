@@ -69,7 +69,10 @@ DISTRIBUTED_ENV = (
 
 def env(devices: int) -> dict:
     e = dict(os.environ, JAX_PLATFORMS="cpu")
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # -O0: the suite is compile-bound (see conftest)
+    e["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    )
     for k in list(e):  # nothing of an enclosing job (CI under SLURM or in a pod) leaks in
         if k.startswith(("SLURM_", "KUBERNETES_")) or k in DISTRIBUTED_ENV:
             e.pop(k)

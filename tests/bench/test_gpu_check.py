@@ -60,7 +60,8 @@ def test_table_computes_mfu_and_the_decode_bound():
 @pytest.mark.slow
 def test_cpu_smoke_writes_the_table_and_json(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, OUT=str(tmp_path))
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+    # one CPU device, as on a plain machine; LLVM at -O0 like the rest of the suite (conftest)
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     env.pop("PYTHONPATH", None)  # the script sets it: a plain checkout must work
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--cpu-smoke"],

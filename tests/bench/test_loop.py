@@ -9,7 +9,10 @@ import runs
 
 from jaxrlvr.bench import loop
 
+# The subprocess runs' tiny model (1 layer, hidden 32): the loop's plumbing is under test, not
+# the demo model's speed, and at the demo's size both systems' compiles dominate CI time.
 TINY = [
+    *(f"--set={o}" for o in runs.TINY_MODEL),
     "--set=sft.steps=8",
     "--set=rl.prompts_per_step=4",
     "--set=eval.max_problems=8",
