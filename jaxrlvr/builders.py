@@ -114,22 +114,12 @@ def abstract_model(model_cfg: model_lib.ModelConfig, mesh) -> tuple[nnx.GraphDef
 def load_splits(
     cfg: config_lib.TrainConfig, *, train: bool = True
 ) -> tuple[list[loading.Problem], list[loading.Problem]]:
-    """(train problems, held-out problems); ``train=False`` skips reading the training split."""
+    """(train problems, held-out problems); ``train=False`` skips reading the training split.
+
+    A generated task (``synthetic``, ``multiplication``, ``scratchpad``) draws both splits from
+    ``run.seed``; ``data.eval``, when set, replaces its held-out split with that file (e.g. the
+    held-out file ``jaxrlvr curate`` writes), so the override is never silently ignored."""
     d = cfg.data
-    if d.train == "synthetic":
-        return synthetic.make_splits(
-            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic
-        )
-    if d.train == "multiplication":
-        return multiplication.make_splits(
-            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.multiplication
-        )
-    if d.train == "scratchpad":
-        return scratchpad.make_splits(
-            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, d.scratchpad
-        )
-    if d.train == "synthetic_code" or d.code_layout is not None:
-        return code_loading.load_splits(d, cfg.run.seed, train=train)
 
     def load(path, split, key):
         data_cfg = loading.DataConfig(
@@ -149,6 +139,22 @@ def load_splits(
         if not problems:
             raise ValueError(f"{path}: no usable problems (dropped {stats.dropped})")
         return problems
+
+    generated = {
+        "synthetic": (synthetic, d.synthetic),
+        "multiplication": (multiplication, d.multiplication),
+        "scratchpad": (scratchpad, d.scratchpad),
+    }
+    if d.train in generated:
+        module, task_cfg = generated[d.train]
+        train_problems, held_out = module.make_splits(
+            cfg.run.seed, d.synthetic_train_size, d.synthetic_eval_size, task_cfg
+        )
+        if d.eval:
+            held_out = load(d.eval, d.eval_split, "data.eval")
+        return train_problems, held_out
+    if d.train == "synthetic_code" or d.code_layout is not None:
+        return code_loading.load_splits(d, cfg.run.seed, train=train)
 
     train_problems = load(d.train, d.split, "data.train") if train else []
     held_out = load(d.eval, d.eval_split, "data.eval") if d.eval else []

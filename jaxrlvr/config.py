@@ -117,7 +117,8 @@ class DataSection:
     arithmetic task with written work, ``data.scratchpad``), "multiplication" (3-4 digit
     products, solved with the Python tool: ``data.multiplication``, ``env.tools``), a local
     jsonl/parquet file, or a hub dataset name; the generated tasks' sizes are
-    ``synthetic_train_size`` and ``synthetic_eval_size``. ``template``: the prompt template.
+    ``synthetic_train_size`` and ``synthetic_eval_size``; with a generated ``train``, a file in
+    ``eval`` replaces the task's own held-out split. ``template``: the prompt template.
     ``gold_format``: the completion an
     SFT warm start ("gold" data) learns for a problem, ``{answer}`` replaced by its answer and
     ``{solution}`` by its worked solution (``Problem.solution``). ``shards``: the training items

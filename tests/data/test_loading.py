@@ -173,3 +173,23 @@ def test_a_mixtures_held_out_share_is_each_domains_own_and_scored_per_domain():
         "eval/code/n": 2,
     }
     assert evaluation.accuracy_by_domain([None] * 3, scores[:6], 2) == {}
+
+
+@pytest.mark.parametrize("task", ["synthetic", "scratchpad"])
+def test_data_eval_replaces_a_generated_tasks_held_out_split(tmp_path, task):
+    """A generated task draws its splits from run.seed; data.eval (e.g. curate's held-out file)
+    replaces the held-out split instead of being ignored, and the training split is unchanged."""
+    from jaxrlvr import builders
+    from jaxrlvr import config as config_lib
+
+    rows = [{"problem": f"{a} + 1 =", "answer": str(a + 1)} for a in range(3)]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [f"data.train={task}", "data.synthetic_train_size=20", "data.synthetic_eval_size=5"]
+    cfg = config_lib.load_config("configs/demo.yaml", base)
+    train, held_out = builders.load_splits(cfg)
+    assert len(held_out) == 5
+    cfg = config_lib.load_config("configs/demo.yaml", [*base, f"data.eval={path}"])
+    train2, held_out2 = builders.load_splits(cfg)
+    assert [(p.question, p.answer) for p in held_out2] == [(r["problem"], r["answer"]) for r in rows]
+    assert [(p.question, p.answer) for p in train2] == [(p.question, p.answer) for p in train]
