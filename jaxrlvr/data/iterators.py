@@ -24,11 +24,18 @@ import numpy as np
 from jaxrlvr.data import loading
 
 
+def _item_id(item) -> str | None:
+    """A problem's id; None for items without one (preference pairs, a data shard's rows), which
+    ``retire`` never takes out."""
+    return getattr(item, "id", None)
+
+
 class PromptIterator:
     """Infinite batches of problems in a deterministic per-epoch shuffled order.
 
     Args:
-      problems: the problems (at least one).
+      problems: the problems (at least one); any items (preference pairs, a shard's rows) walk
+        the same way, and only items with an ``id`` can be retired.
       batch_size: problems per batch (>= 1); a batch may span an epoch boundary.
       seed: shuffling seed.
     """
@@ -44,7 +51,7 @@ class PromptIterator:
         self.epoch = 0
         self.position = 0
         self.retired: set[str] = set()
-        self._ids = {p.id for p in self.problems}
+        self._ids = {_item_id(p) for p in self.problems} - {None}
         self._order = self._permutation(self.epoch)
 
     def retire(self, problem_ids: Sequence[str]) -> None:
@@ -54,7 +61,7 @@ class PromptIterator:
     @property
     def active(self) -> int:
         """How many problems are still drawn (not retired)."""
-        return sum(p.id not in self.retired for p in self.problems)
+        return sum(_item_id(p) not in self.retired for p in self.problems)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
@@ -78,7 +85,7 @@ class PromptIterator:
                 self._order = self._permutation(self.epoch)
             problem = self.problems[self._order[self.position]]
             self.position += 1
-            if problem.id not in self.retired:
+            if _item_id(problem) not in self.retired:
                 batch.append(problem)
         return batch
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrlvr import data
-from jaxrlvr.data import iterators
+from jaxrlvr.data import iterators, loading
 
 PROBLEMS = [data.Problem(question=f"q{i}", answer=str(i), id=f"p{i}") for i in range(10)]
 
@@ -156,3 +156,15 @@ def test_solved_problems_are_the_groups_at_the_threshold():
     assert sources.solved_problems(PROBLEMS[:3], scores, g, 0.75) == ["p0", "p1"]
     with pytest.raises(ValueError, match="not 2 groups of 4"):
         sources.solved_problems(PROBLEMS[:2], scores, g, 0.9)
+
+
+def test_items_without_ids_walk_the_same_order():
+    """Preference pairs and a shard's rows are items without ids: they iterate exactly as
+    problems do (same permutation), and retiring ids leaves them alone."""
+    problems = [loading.Problem(id=f"p{i}", question=f"q{i}", answer=str(i)) for i in range(5)]
+    a = iterators.PromptIterator(problems, batch_size=3, seed=7)
+    b = iterators.PromptIterator([(p.question, i) for i, p in enumerate(problems)], 3, seed=7)
+    b.retire(["p0", "p1"])
+    for _ in range(4):
+        assert [p.question for p in a.next_batch()] == [q for q, _ in b.next_batch()]
+    assert b.active == 5
