@@ -59,6 +59,11 @@ class PromptIterator:
         self.retired.update(str(i) for i in problem_ids if str(i) in self._ids)
 
     @property
+    def num_retired(self) -> int:
+        """How many problems are retired."""
+        return len(self.retired)
+
+    @property
     def active(self) -> int:
         """How many problems are still drawn (not retired)."""
         return sum(_item_id(p) not in self.retired for p in self.problems)

@@ -76,6 +76,11 @@ class ShardedIterator:
         for it in self.iterators.values():
             it.retire(ids)
 
+    @property
+    def num_retired(self) -> int:
+        """Problems retired by this process's shard iterators."""
+        return sum(it.num_retired for it in self.iterators.values())
+
     def state_dict(self) -> dict:
         """``{"shards": {"<i>": state}}`` over every process's shards (via ``gather``)."""
         mine = {str(i): it.state_dict() for i, it in self.iterators.items()}

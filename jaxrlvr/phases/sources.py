@@ -70,12 +70,6 @@ def solved_problems(problems, scores, group_size: int, threshold: float) -> list
     return [p.id for p, r in zip(problems, rates.mean(1)) if r >= threshold]
 
 
-def _retired_count(iterator) -> int:
-    """Problems this process's iterator (or its shards' iterators) has retired."""
-    its = getattr(iterator, "iterators", {0: iterator}).values()
-    return sum(len(it.retired) for it in its)
-
-
 class RolloutSource:
     """Single-turn rollouts of the training problems (module docstring).
 
@@ -253,7 +247,7 @@ class RolloutSource:
             pass_m.update(pm)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
         if self.rl.retire_pass_rate is not None:
-            metrics["data/retired"] = float(_retired_count(self.iterator))
+            metrics["data/retired"] = float(self.iterator.num_retired)
         return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
