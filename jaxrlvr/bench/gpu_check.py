@@ -13,6 +13,14 @@ its own process, one after the other, so each has the whole device and its own p
   ``bench.common.trainer_step``) on 8 rows x 1,024 tokens (256 prompt + 768 response) in 4
   microbatches: the forward (``prepare``: old log-probs) and the update, each with tokens/s, MFU
   against the measured matmul peak, and peak device memory;
+- ``moe``: Qwen3-30B-A3B's routed expert block (D 2,048, 128 experts of width 768, top-8) on
+  4,096 tokens: forward + backward of each grouped kernel (``ragged_dot``, the platform's
+  choice; ``sorted_blocks``; the one-hot ``dense``) and of the expert-parallel
+  ``ragged_all_to_all`` dispatch on a one-device ``expert`` axis, each checked against the
+  one-hot reference ``moe.dense_experts`` in float32 at highest matmul precision (output and
+  gradients, max |diff| / max |ref|); then the GRPO update and forward of the Qwen3-30B-A3B
+  architecture cut to 4 layers (the same trainer path and batch as ``update``), MFU counted on
+  the active parameters;
 - ``sampler``: ``JaxSampler`` at that architecture (bf16 weights), 64 prompts of 128 tokens x 256
   new tokens, tokens/s against the HBM-bandwidth bound of decode at that batch (every step reads
   the weights once and the KV cache so far);
@@ -44,14 +52,21 @@ import tempfile
 import time
 import traceback
 
-PARTS = ("matmul", "update", "sampler", "demo")
-# Per-part limits (seconds) for the full check: all four fit the 8-minute budget with margin.
-TIMEOUT_S = {"matmul": 40, "update": 160, "sampler": 110, "demo": 170}
+PARTS = ("matmul", "update", "moe", "sampler", "demo")
+# Per-part limits (seconds) for the full check: together under the device tool's 10 minutes
+# per command (each part's record is written as soon as it ends, so a cut run keeps the rest).
+TIMEOUT_S = {"matmul": 40, "update": 150, "moe": 150, "sampler": 100, "demo": 150}
 
 SHAPES = {
     # rows, prompt, response, microbatches; sampler prompts, prompt len, new tokens; matmul n
     "full": dict(rows=8, prompt=256, response=768, micro=4, sp=64, sp_len=128, new=256, n=8192),
     "smoke": dict(rows=4, prompt=16, response=48, micro=2, sp=4, sp_len=8, new=8, n=256),
+}
+# The MoE part's expert block: tokens, hidden, expert width, experts, top-k; and the layers of
+# its cut Qwen3-30B-A3B (4 of 48: ~3.1B parameters, 50 GB of float32 weights + Adam + grads).
+MOE_SHAPES = {
+    "full": dict(n=4096, d=2048, f=768, e=128, k=8, layers=4),
+    "smoke": dict(n=64, d=64, f=32, e=16, k=4, layers=2),
 }
 DEMO_OVERRIDES = {
     "full": ["rl.steps=20", "eval.every=20", "checkpoint.every=20"],
@@ -72,9 +87,20 @@ DEMO_OVERRIDES = {
 }
 
 
-def model_config(smoke: bool, **overrides):
+def model_config(smoke: bool, moe: bool = False, **overrides):
     from jaxrlvr.model import config as model_config
 
+    if moe:
+        m = MOE_SHAPES["smoke" if smoke else "full"]
+        if smoke:
+            moe_fields = dict(num_experts=m["e"], num_experts_per_tok=m["k"])
+            return model_config.ModelConfig.tiny(
+                vocab_size=512, max_position_embeddings=2048, model_type="qwen3_moe",
+                moe_intermediate_size=m["f"], norm_topk_prob=True, **moe_fields, **overrides
+            )  # fmt: skip
+        return model_config.ModelConfig.qwen3_30b_a3b(
+            num_hidden_layers=m["layers"], max_position_embeddings=2048, **overrides
+        )
     if smoke:  # the tiny preset, vocabulary 512
         return model_config.ModelConfig.tiny(
             vocab_size=512, max_position_embeddings=2048, **overrides
@@ -149,6 +175,13 @@ def part_matmul(smoke: bool) -> dict:
 
 
 def part_update(smoke: bool) -> dict:
+    cfg = model_config(smoke, dtype="bfloat16", param_dtype="float32", remat=True)
+    return _grpo_step(cfg, smoke)
+
+
+def _grpo_step(cfg, smoke: bool) -> dict:
+    """The GRPO forward (old log-probs) and update of ``cfg`` on the check's batch, through the
+    trainer's own path: tokens/s, compile and step seconds, peak device memory."""
     import jax
     import numpy as np
     from flax import nnx
@@ -158,7 +191,6 @@ def part_update(smoke: bool) -> dict:
     from jaxrlvr.bench import common
 
     sh = SHAPES["smoke" if smoke else "full"]
-    cfg = model_config(smoke, dtype="bfloat16", param_dtype="float32", remat=True)
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=-1, tensor=1))
     t0 = time.perf_counter()
     graphdef, params = nnx.split(M.init_model(cfg, seed=0, mesh=mesh), nnx.Param)
@@ -216,6 +248,7 @@ def part_update(smoke: bool) -> dict:
     return {
         **_device_info(),
         "num_params": cfg.num_params(),
+        "active_params": cfg.num_params(active=True),
         "tokens_per_step": tokens,
         "microbatches": sh["micro"],
         "init_s": init_s,
@@ -231,6 +264,88 @@ def part_update(smoke: bool) -> dict:
         "update_peak_gib": _peak_memory_gib(),
         "final_loss": holder["loss"],
     }
+
+
+def part_moe(smoke: bool) -> dict:
+    """Qwen3-30B-A3B's expert block on every grouped kernel, then its GRPO step (4 layers)."""
+    kernels = _moe_kernels(smoke)
+    cfg = model_config(smoke, True, dtype="bfloat16", param_dtype="float32", remat=True)
+    return {**_grpo_step(cfg, smoke), "layers": cfg.num_hidden_layers, "kernels": kernels}
+
+
+def _moe_kernels(smoke: bool) -> dict:
+    """Per kernel: forward + backward milliseconds in bf16, and the float32 (highest precision)
+    output and gradients against ``moe.dense_experts``, as max |diff| / max |ref|."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    from jaxrlvr.model import expert_parallel, moe
+
+    m = MOE_SHAPES["smoke" if smoke else "full"]
+    n, d, f, e, k = m["n"], m["d"], m["f"], m["e"], m["k"]
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    x = jax.random.normal(keys[0], (n, d), jnp.float32)
+    router = jax.random.normal(keys[1], (d, e), jnp.float32) / d**0.5
+    gate = jax.random.normal(keys[2], (e, d, f), jnp.float32) / d**0.5
+    up = jax.random.normal(keys[3], (e, d, f), jnp.float32) / d**0.5
+    down = jax.random.normal(keys[4], (e, f, d), jnp.float32) / f**0.5
+    ids, weights = moe.select_experts(jax.nn.softmax(x @ router, axis=-1), k, True)
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=e)
+    mesh = jax.make_mesh((1,), (expert_parallel.AXIS,))
+
+    def ep_ragged(x, ids, w, g, u, dn):
+        # The expert-parallel dispatch itself (two ragged all-to-alls) on a one-device axis.
+        spec = PartitionSpec()
+        fn = functools.partial(expert_parallel._ragged, ep=1)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(
+            x, ids, w, g, u, dn
+        )
+
+    impls = {
+        "ragged_dot": functools.partial(moe.grouped_experts, impl="ragged_dot"),
+        "sorted_blocks": functools.partial(moe.grouped_experts, impl="sorted_blocks"),
+        "dense": functools.partial(moe.grouped_experts, impl="dense"),
+        "ep_ragged_a2a": ep_ragged,
+    }
+
+    def loss_grad(fn):
+        def loss(x, w, g, u, dn):
+            y = fn(x, ids, w, g, u, dn)
+            return jnp.sum(y.astype(jnp.float32) * ct), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    ct = jax.random.normal(jax.random.PRNGKey(1), (n, d), jnp.float32)
+    args32 = (x, weights, gate, up, down)
+    with jax.default_matmul_precision("highest"):
+        (_, ref_y), ref_g = loss_grad(moe.dense_experts)(*args32)
+    out: dict = dict(tokens=n, hidden=d, expert_width=f, experts=e, top_k=k)
+    out.update(max_expert_load=int(counts.max()), min_expert_load=int(counts.min()))
+    bf16 = tuple(a.astype(jnp.bfloat16) for a in args32)
+    for name, fn in impls.items():
+        rec: dict = {}
+        if name == "ep_ragged_a2a" and jax.default_backend() == "cpu":
+            out[name] = {"skipped": "XLA:CPU cannot compile ragged-all-to-all (jax-ml/jax#34755)"}
+            continue
+        try:
+            with jax.default_matmul_precision("highest"):
+                (_, y), grads = loss_grad(fn)(*args32)
+            rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
+            rec["rel_err_out"] = rel(y, ref_y)
+            rec["rel_err_grad"] = max(rel(a, b) for a, b in zip(grads, ref_g, strict=True))
+            run = functools.partial(lambda step: jax.block_until_ready(step(*bf16)), loss_grad(fn))
+            run()
+            rec["fwd_bwd_ms"] = 1e3 * _timed(run, 5)
+        except Exception as exc:  # one kernel failing must not hide the others
+            rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        out[name] = rec
+    # The routed work (3 matmuls of 2 D F FLOPs per slot, x3 for forward + backward).
+    out["routed_flops"] = 3 * 3 * 2 * n * k * d * f
+    return out
 
 
 def part_sampler(smoke: bool) -> dict:
@@ -308,7 +423,13 @@ def part_demo(smoke: bool) -> dict:
     }
 
 
-WORKERS = {"matmul": part_matmul, "update": part_update, "sampler": part_sampler, "demo": part_demo}
+WORKERS = {
+    "matmul": part_matmul,
+    "update": part_update,
+    "moe": part_moe,
+    "sampler": part_sampler,
+    "demo": part_demo,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,13 +465,35 @@ def _gib(x) -> str:
     return "n/a (CPU)" if x is None else f"{x:.1f} GiB"
 
 
+def _step_rows(rec: dict, prefix: str, peak, err) -> list[tuple[str, str, str]]:
+    """The forward and update rows of a GRPO step record (``_grpo_step``), MFU against the
+    measured bf16 matmul peak."""
+    rows = []
+    for name, key in (("forward (old logp)", "forward"), ("GRPO update", "update")):
+        if "error" in rec or not rec:
+            rows.append((prefix + name, err(rec) or "not run", ""))
+            continue
+        s = rec[f"{key}_s"]
+        mfu = rec[f"{key}_flops"] / s / (peak * 1e12) if peak else None
+        rows.append(
+            (
+                prefix + name,
+                f"{rec[f'{key}_tokens_per_s']:,.0f} tok/s",
+                f"MFU {_fmt(mfu and 100 * mfu, '.1f')}%, peak mem "
+                f"{_gib(rec[f'{key}_peak_gib'])}, step {s:.3f} s, compile "
+                f"{rec[f'{key}_compile_s']:.0f} s",
+            )
+        )
+    return rows
+
+
 def table(results: dict) -> str:
     """The one table: a row per measurement, with its unit and what it is compared with."""
     rows = []
-    mm, up, sa, de = (results.get(p, {}) for p in PARTS)
+    mm, up, mo, sa, de = (results.get(p, {}) for p in PARTS)
     peak = mm.get("matmul_tflops")
     bw = mm.get("hbm_gbs")
-    dev = next((r for r in (mm, up, sa, de) if "device_kind" in r), {})
+    dev = next((r for r in (mm, up, mo, sa, de) if "device_kind" in r), {})
     head = (
         f"jaxrlvr GPU check: {dev.get('device_kind', '?')} x{dev.get('num_devices', '?')}, "
         f"jax {dev.get('jax', '?')}{' (--cpu-smoke)' if results.get('smoke') else ''}"
@@ -363,21 +506,34 @@ def table(results: dict) -> str:
         ("bf16 matmul", err(mm) or f"{_fmt(peak, '.1f')} TFLOP/s", f"n={mm.get('matmul_n')}")
     )
     rows.append(("HBM copy", err(mm) or f"{_fmt(bw, '.0f')} GB/s", "read + write"))
-    for name, key in (("forward (old logp)", "forward"), ("GRPO update", "update")):
-        if "error" in up or not up:
-            rows.append((name, err(up) or "not run", ""))
+    rows += _step_rows(up, "", peak, err)
+    kern = mo.get("kernels", {})
+    for name in ("ragged_dot", "sorted_blocks", "dense", "ep_ragged_a2a"):
+        if "error" in mo or not mo:
+            rows.append((f"MoE kernel {name}", err(mo) or "not run", ""))
+            break
+        r = kern.get(name, {})
+        if "fwd_bwd_ms" not in r and "error" not in r and "skipped" not in r:
+            rows.append((f"MoE kernel {name}", "not run", ""))
             continue
-        s = up[f"{key}_s"]
-        mfu = up[f"{key}_flops"] / s / (peak * 1e12) if peak else None
+        if "skipped" in r:
+            rows.append((f"MoE kernel {name}", "skipped", r["skipped"]))
+            continue
+        if "error" in r:
+            rows.append((f"MoE kernel {name}", f"FAILED: {r['error']}", ""))
+            continue
+        tflops = kern["routed_flops"] / (r["fwd_bwd_ms"] / 1e3) / 1e12
         rows.append(
             (
-                name,
-                f"{up[f'{key}_tokens_per_s']:,.0f} tok/s",
-                f"MFU {_fmt(mfu and 100 * mfu, '.1f')}%, peak mem "
-                f"{_gib(up[f'{key}_peak_gib'])}, step {s:.3f} s, compile "
-                f"{up[f'{key}_compile_s']:.0f} s",
+                f"MoE kernel {name}",
+                f"{r['fwd_bwd_ms']:.2f} ms",
+                f"fwd+bwd, {kern['tokens']} tok x top-{kern['top_k']} of {kern['experts']}: "
+                f"{tflops:.1f} routed TFLOP/s; f32 vs one-hot: out {r['rel_err_out']:.1e}, "
+                f"grad {r['rel_err_grad']:.1e}",
             )
         )
+    if "update_s" in mo:
+        rows += _step_rows(mo, f"MoE ({mo['layers']}-layer 30B-A3B) ", peak, err)
     if "error" in sa or not sa:
         rows.append(("JaxSampler", err(sa) or "not run", ""))
     else:
@@ -410,6 +566,14 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(out: str, text: str, results: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_check.txt"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0]
@@ -436,19 +600,16 @@ def main(argv=None) -> int:
         p.error(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
     results: dict = {"smoke": args.cpu_smoke}
     t0 = time.perf_counter()
+    text = table(results)
     for part in parts:
         print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
         limit = 300 if args.cpu_smoke else TIMEOUT_S[part]  # smoke: CI machines are shared
         results[part] = run_part(part, args.cpu_smoke, limit)
-    results["total_s"] = time.perf_counter() - t0
-    text = table(results) + f"\n(total {results['total_s']:.0f} s)"
+        results["total_s"] = time.perf_counter() - t0
+        text = table(results) + f"\n(total {results['total_s']:.0f} s)"
+        if args.out:  # after every part, so that a run cut short keeps what it measured
+            _write(args.out, text, results)
     print(text, flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(results, f, indent=2)
     return 0 if all("error" not in results[q] for q in parts) else 1
 
 

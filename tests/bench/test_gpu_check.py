@@ -15,17 +15,25 @@ from jaxrlvr.bench import gpu_check
 REPO = pathlib.Path(__file__).parent.parent.parent
 
 
-def test_imports_without_datasets_math_verify_or_vllm():
+def test_imports_and_grades_without_datasets_math_verify_or_vllm(tmp_path):
+    # The GPU machine has none of the three: each is a package here that raises as a missing
+    # module would, first on the path of this process and of the grading pool's workers (which
+    # warm math-verify at startup: they must still start, and grade integer answers).
+    for name in ("datasets", "math_verify", "vllm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError({'No module named ' + name!r}, name={name!r})\n"
+        )
     code = (
-        "import sys\n"
-        "for name in ('datasets', 'math_verify', 'vllm'):\n"
-        "    sys.modules[name] = None\n"
         "import jaxrlvr.train, jaxrlvr.cli, jaxrlvr.bench.gpu_check, jaxrlvr.placement\n"
-        "from jaxrlvr.rewards import verifiers\n"
+        "from jaxrlvr.rewards import grading, verifiers\n"
         "fn = verifiers.make_reward_fn(verifiers.RewardConfig(name='synthetic'))\n"
+        "with grading.GradingPool(num_workers=1, timeout_s=20.0) as pool:\n"
+        "    scores, _ = pool.grade(fn, ['<answer>7</answer>', '<answer>8</answer>'], [7, 7])\n"
+        "assert [s['answer_reward'] for s in scores] == [1.0, 0.0], scores\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
@@ -48,6 +56,10 @@ def test_table_computes_mfu_and_the_decode_bound():
                    "update_peak_gib": 40.0, "update_compile_s": 60.0},
         "sampler": {"prompts": 64, "new_tokens": 256, "tokens_per_s": 8000.0,
                     "decode_step_bytes": 4e9, "peak_gib": 10.0},
+        "moe": {"kernels": {"tokens": 4096, "top_k": 8, "experts": 128, "routed_flops": 2e12,
+                            "ragged_dot": {"fwd_bwd_ms": 10.0, "rel_err_out": 1e-7,
+                                           "rel_err_grad": 2e-7},
+                            "ep_ragged_a2a": {"error": "XlaRuntimeError: no"}}},
         "demo": {"error": "exit 1: boom"},
     }  # fmt: skip
     text = gpu_check.table(results)
@@ -55,6 +67,8 @@ def test_table_computes_mfu_and_the_decode_bound():
     assert "MFU 50.0%" in text and "peak mem 40.0 GiB" in text  # 120e12 / 0.3 s / 800e12
     assert "HBM bound 64,000 tok/s (8.0x below it)" in text  # 64 rows / (4e9 B / 4e12 B/s)
     assert re.search(r"^demo config +FAILED: exit 1: boom$", text, re.M)
+    assert "200.0 routed TFLOP/s" in text  # 2e12 FLOPs in 10 ms
+    assert re.search(r"^MoE kernel ep_ragged_a2a +FAILED: XlaRuntimeError: no$", text, re.M)
 
 
 @pytest.mark.slow
@@ -70,8 +84,16 @@ def test_cpu_smoke_writes_the_table_and_json(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = (tmp_path / "gpu_check.txt").read_text()
     assert text.strip() == proc.stdout.strip()
-    for row in ("bf16 matmul", "forward (old logp)", "GRPO update", "JaxSampler", "demo (2 RL"):
+    rows = ("bf16 matmul", "forward (old logp)", "GRPO update", "MoE kernel ragged_dot",
+            "MoE (2-layer 30B-A3B) GRPO update", "JaxSampler", "demo (2 RL")  # fmt: skip
+    for row in rows:
         assert row in text, text
+    # Every grouped kernel computes the one-hot reference's block (float32: rounding only).
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    kernels = record["moe"]["kernels"]
+    for name in ("ragged_dot", "sorted_blocks", "dense"):
+        assert kernels[name]["rel_err_out"] < 1e-5 and kernels[name]["rel_err_grad"] < 1e-5, name
+    assert "skipped" in kernels["ep_ragged_a2a"]  # XLA:CPU cannot compile it
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["smoke"] and record["update"]["update_tokens_per_s"] > 0
     assert record["sampler"]["tokens_per_s"] > 0 and record["demo"]["rl_steps"] == 2
