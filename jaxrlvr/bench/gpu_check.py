@@ -130,6 +130,12 @@ def _peak_memory_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
+def _log(msg: str) -> None:
+    """A progress line on stderr (the driver shows a part's last lines when it fails or times
+    out)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def _timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -213,6 +219,7 @@ def _grpo_step(cfg, smoke: bool) -> dict:
     state = jax.device_put(algo.init(params, 0), shardings)
     del params
     init_s = time.perf_counter() - t0
+    _log(f"step: state initialised in {init_s:.0f} s; compiling the forward")
 
     rows, prompt, seq = sh["rows"], sh["prompt"], sh["prompt"] + sh["response"]
     rng = np.random.default_rng(0)
@@ -235,6 +242,8 @@ def _grpo_step(cfg, smoke: bool) -> dict:
         lambda: jax.block_until_ready(compiled.prepare(holder["state"], rollouts)), 3
     )
     forward_peak = _peak_memory_gib()
+
+    _log("step: forward timed; compiling the update")
 
     def update():
         holder["state"], metrics = compiled.update(holder["state"], batch)
@@ -269,6 +278,7 @@ def _grpo_step(cfg, smoke: bool) -> dict:
 def part_moe(smoke: bool) -> dict:
     """Qwen3-30B-A3B's expert block on every grouped kernel, then its GRPO step (4 layers)."""
     kernels = _moe_kernels(smoke)
+    _log("moe GRPO step ...")
     cfg = model_config(smoke, True, dtype="bfloat16", param_dtype="float32", remat=True)
     return {**_grpo_step(cfg, smoke), "layers": cfg.num_hidden_layers, "kernels": kernels}
 
@@ -327,6 +337,7 @@ def _moe_kernels(smoke: bool) -> dict:
     out.update(max_expert_load=int(counts.max()), min_expert_load=int(counts.min()))
     bf16 = tuple(a.astype(jnp.bfloat16) for a in args32)
     for name, fn in impls.items():
+        _log(f"moe kernel {name} ...")
         rec: dict = {}
         if name == "ep_ragged_a2a" and jax.default_backend() == "cpu":
             out[name] = {"skipped": "XLA:CPU cannot compile ragged-all-to-all (jax-ml/jax#34755)"}
@@ -443,9 +454,16 @@ def run_part(part: str, smoke: bool, timeout_s: float) -> dict:
         cmd = [sys.executable, "-m", "jaxrlvr.bench.gpu_check", "--_worker", part, "--_out", out]
         cmd += ["--cpu-smoke"] if smoke else []
         t0 = time.perf_counter()
+        # The worker dumps every thread's stack shortly before its deadline (faulthandler).
+        env = dict(os.environ, JAXRLVR_GPU_CHECK_DEADLINE_S=str(max(1.0, timeout_s - 5)))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr or b""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            sys.stderr.write(f"gpu_check: part {part} timed out; its output ends with:\n")
+            sys.stderr.write("\n".join(lines[-40:]) + "\n")
             return {"error": f"timed out after {timeout_s:.0f} s"}
         record = {"part_s": time.perf_counter() - t0}
         if proc.returncode == 0 and os.path.exists(out):
@@ -581,10 +599,16 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, for CI on the CPU")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table + JSON")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a part may take")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._worker is not None:
+        deadline = os.environ.get("JAXRLVR_GPU_CHECK_DEADLINE_S")
+        if deadline:
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(deadline))
         try:
             record = WORKERS[args._worker](args.cpu_smoke)
         except BaseException:
@@ -604,6 +628,7 @@ def main(argv=None) -> int:
     for part in parts:
         print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
         limit = 300 if args.cpu_smoke else TIMEOUT_S[part]  # smoke: CI machines are shared
+        limit = args.timeout or limit
         results[part] = run_part(part, args.cpu_smoke, limit)
         results["total_s"] = time.perf_counter() - t0
         text = table(results) + f"\n(total {results['total_s']:.0f} s)"
