@@ -276,11 +276,25 @@ def _grpo_step(cfg, smoke: bool) -> dict:
 
 
 def part_moe(smoke: bool) -> dict:
-    """Qwen3-30B-A3B's expert block on every grouped kernel, then its GRPO step (4 layers)."""
+    """Qwen3-30B-A3B's expert block on every grouped kernel, then its GRPO step (4 layers) on
+    ``$JAXRLVR_GPU_CHECK_MOE_IMPL`` (``--moe-impl``; default auto, the platform's choice)."""
     kernels = _moe_kernels(smoke)
-    _log("moe GRPO step ...")
-    cfg = model_config(smoke, True, dtype="bfloat16", param_dtype="float32", remat=True)
-    return {**_grpo_step(cfg, smoke), "layers": cfg.num_hidden_layers, "kernels": kernels}
+    impl = os.environ.get("JAXRLVR_GPU_CHECK_MOE_IMPL", "auto")
+    _log(f"moe GRPO step (moe_impl {impl}) ...")
+    cfg = model_config(
+        smoke, True, dtype="bfloat16", param_dtype="float32", remat=True, moe_impl=impl
+    )
+    from jaxrlvr.model import moe
+
+    record = _grpo_step(cfg, smoke)
+    sh = SHAPES["smoke" if smoke else "full"]
+    tokens = sh["rows"] * (sh["prompt"] + sh["response"]) // sh["micro"]  # one microbatch's
+    return {
+        **record,
+        "layers": cfg.num_hidden_layers,
+        "moe_impl": moe.resolve_impl(impl, tokens, cfg.num_experts, cfg.num_experts_per_tok),
+        "kernels": kernels,
+    }
 
 
 def _moe_kernels(smoke: bool) -> dict:
@@ -351,6 +365,10 @@ def _moe_kernels(smoke: bool) -> dict:
             run = functools.partial(lambda step: jax.block_until_ready(step(*bf16)), loss_grad(fn))
             run()
             rec["fwd_bwd_ms"] = 1e3 * _timed(run, 5)
+            fwd = jax.jit(lambda x, w, g, u, dn, fn=fn: fn(x, ids, w, g, u, dn))
+            run = functools.partial(lambda fwd: jax.block_until_ready(fwd(*bf16)), fwd)
+            run()
+            rec["fwd_ms"] = 1e3 * _timed(run, 5)
         except Exception as exc:  # one kernel failing must not hide the others
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         out[name] = rec
@@ -545,13 +563,15 @@ def table(results: dict) -> str:
             (
                 f"MoE kernel {name}",
                 f"{r['fwd_bwd_ms']:.2f} ms",
-                f"fwd+bwd, {kern['tokens']} tok x top-{kern['top_k']} of {kern['experts']}: "
+                f"fwd+bwd (fwd {_fmt(r.get('fwd_ms'), '.2f')} ms), {kern['tokens']} tok x "
+                f"top-{kern['top_k']} of {kern['experts']}: "
                 f"{tflops:.1f} routed TFLOP/s; f32 vs one-hot: out {r['rel_err_out']:.1e}, "
                 f"grad {r['rel_err_grad']:.1e}",
             )
         )
     if "update_s" in mo:
-        rows += _step_rows(mo, f"MoE ({mo['layers']}-layer 30B-A3B) ", peak, err)
+        label = f"MoE ({mo['layers']}-layer 30B-A3B, {mo.get('moe_impl', '?')}) "
+        rows += _step_rows(mo, label, peak, err)
     if "error" in sa or not sa:
         rows.append(("JaxSampler", err(sa) or "not run", ""))
     else:
@@ -600,9 +620,12 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table + JSON")
     p.add_argument("--timeout", type=float, default=None, help="seconds a part may take")
+    p.add_argument("--moe-impl", default=None, help="the moe part's GRPO step kernel (auto)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.moe_impl:  # read by the moe worker (a process of its own)
+        os.environ["JAXRLVR_GPU_CHECK_MOE_IMPL"] = args.moe_impl
     if args._worker is not None:
         deadline = os.environ.get("JAXRLVR_GPU_CHECK_DEADLINE_S")
         if deadline:

@@ -28,11 +28,11 @@ are small).
 ``--model`` picks the architecture (abstract parameters from the checkpoints' config.json
 shapes, ``ModelConfig`` presets): ``qwen2.5-math-1.5b`` (default), ``qwen3-1.7b`` (tied) or
 ``qwen3-30b-a3b`` (48 layers of 128 experts, top-8; its experts stacked ``[E, ...]`` and sharded
-over ``fsdp`` by the rules table, the MoE kernel ``--moe-impl``, default ``ragged_dot`` as on GPU
-and TPU). XLA:CPU lowers ``ragged_dot`` densely (every row against every expert of the group's
-shard: [E, slots, D]-sized temporaries that the accelerators' grouped GEMMs do not allocate), so
-the MoE's CPU temporaries overstate a TPU's; ``--moe-impl sorted_blocks`` (gathered weights per
-block of rows) is the CPU kernel's own figure.
+over ``fsdp`` by the rules table, the MoE kernel ``--moe-impl``, default ``ragged_dot`` as on a
+TPU). XLA:CPU lowers ``ragged_dot`` densely (every row against every expert of the group's
+shard: [E, slots, D]-sized temporaries that a TPU's grouped GEMMs do not allocate), so the
+MoE's CPU temporaries overstate a TPU's; ``--moe-impl sorted_blocks`` (gathered weights per
+block of rows) is the kernel GPUs and CPUs run (measured on an H200: docs/gpu/README.md).
 Every record carries the floor: float32 weights + two AdamW moments + one gradient accumulator,
 16 bytes a parameter, divided by the devices (``floor`` in bytes, ``total / floor`` printed).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).

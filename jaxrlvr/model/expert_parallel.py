@@ -14,7 +14,7 @@ both dispatches; the experts are never gathered whole, only each device's E / ex
 Two dispatches, by the kernel (``dispatch_for``; ``moe_impl`` is chosen by platform, so this is
 too):
 
-- ``"ring"`` (XLA:CPU, and any kernel but ``ragged_dot``): MaxText's ring of experts. The rows
+- ``"ring"`` (XLA:CPU and GPU, any kernel but ``ragged_dot``): MaxText's ring of experts. The rows
   of the ``expert`` group are all-gathered (ep x n rows), each device runs its local experts on
   every gathered row, weighted by the gate weights of the slots routed to them (zero elsewhere:
   ``moe.dense_experts`` on the local experts), and ``psum_scatter`` sums the ep partial outputs
@@ -23,12 +23,16 @@ too):
   the routed slots; 2x at Qwen3-30B-A3B with ep=8), its buffers ep x n x D tokens and
   E_local x ep x n x F activations. Measured against the alternatives that compile on the CPU,
   see docs/moe.md ("Expert parallelism").
-- ``"ragged"`` (GPU, TPU: with ``ragged_dot``): ``jax.lax.ragged_all_to_all``. Slots sorted
-  by expert go to their experts' devices (sizes exchanged with an all-gather of the per-expert
-  counts), each device runs ``moe.grouped_experts`` on the rows it received, and a second
-  ragged all-to-all brings them back. The receive buffer is the worst case, ep x n x k rows
-  (every slot of the group to one device), as MaxText's default. XLA:CPU cannot compile
-  ``ragged-all-to-all`` (jax-ml/jax#34755); ``jax.export`` lowers it for TPU and CUDA.
+- ``"ragged"`` (TPU, or ``moe_impl: ragged_dot`` asked for on a GPU):
+  ``jax.lax.ragged_all_to_all``. Slots sorted by expert go to their experts' devices (sizes
+  exchanged with an all-gather of the per-expert counts), each device runs
+  ``moe.grouped_experts`` on the rows it received, and a second ragged all-to-all brings them
+  back. The receive buffer is the worst case, ep x n x k rows (every slot of the group to one
+  device), as MaxText's default. On one H200 (a one-device expert axis, so the exchange moves
+  nothing) it took 397 ms for the 30B-A3B block's forward + backward, where ``ragged_dot``
+  alone took 195 ms and ``sorted_blocks`` 21 ms (docs/gpu/README.md): not the GPU's default.
+  XLA:CPU cannot compile ``ragged-all-to-all`` (jax-ml/jax#34755); ``jax.export`` lowers it
+  for TPU and CUDA.
 
 Tokens not split over ``expert`` (a batch the expert axis does not divide, e.g. one decode row)
 take SkyRL-tx's replicate-mask-psum: the local experts on the device's (replicated) rows,
@@ -58,7 +62,7 @@ def axis_size(mesh) -> int:
 
 
 def dispatch_for(impl) -> Dispatch:
-    """``"ragged"`` when the grouped kernel is ``ragged_dot`` (GPU, TPU, or asked for), else
+    """``"ragged"`` when the grouped kernel is ``ragged_dot`` (TPU, or asked for), else
     ``"ring"``: the dispatch follows ``moe.resolve_impl`` so one setting picks both."""
     return "ragged" if moe.resolve_impl(impl) == "ragged_dot" else "ring"
 

@@ -17,12 +17,18 @@ experts' SwiGLU and are summed, scaled by the gate weights. Three kernels, chose
 - ``"dense"`` (CPU, small shapes): every expert on every token as two wide matmuls, the
   activations weighted by the one-hot combine matrix: E / k times the routed work, but no sort,
   gather or scatter (tunix's CPU path).
-- ``"ragged_dot"`` (GPU, TPU): ``jax.lax.ragged_dot`` on the sorted rows, which those backends
-  lower to grouped GEMMs without padding and without gathering weights per block (the block
-  kernel's gathered weights grow with N x k / b, too large at Qwen3-30B-A3B's shapes).
-  XLA:CPU lowers it densely (every group against every row): never the CPU's choice.
+- ``"ragged_dot"`` (TPU): ``jax.lax.ragged_dot`` on the sorted rows, meant to lower to grouped
+  GEMMs without padding and without gathering weights per block. XLA:CPU lowers it densely
+  (every group against every row): never the CPU's choice. On the GPU it was measured slower
+  than both other kernels (below).
 
-``"auto"`` takes ``ragged_dot`` on GPU and TPU; on the CPU ``dense`` when E <= 2k and N <= 256
+``"auto"`` takes ``ragged_dot`` on TPU and ``sorted_blocks`` on GPU: on one H200 with JAX
+0.11.2 (``scripts/gpu_check.sh --parts moe``, docs/gpu/README.md), Qwen3-30B-A3B's expert
+block on 4,096 tokens (bf16, forward / forward + backward) took 58.4 / 195 ms with
+``ragged_dot``, 3.5 / 20.7 ms with ``sorted_blocks`` and 7.5 / 22.5 ms with ``dense``; the
+GRPO update of a 4-layer cut of the model (8 x 1,024 tokens, 4 microbatches) 2.24 s and 101.8
+GiB peak with ``ragged_dot`` against 0.47 s and 61.9 GiB with ``sorted_blocks``, the forward
+0.486 against 0.060 s. On the CPU ``dense`` when E <= 2k and N <= 256
 tokens (``DENSE_MAX_TOKENS``), else ``sorted_blocks``. The crossover, measured on the 2-core
 CPU (2026-12-03, busy: load 8-22, so CPU seconds of the process, forward + backward of one
 block, float32; docs/moe.md has the table): at E=8 top-2 (the MoE demo, D=128 F=192)
@@ -37,8 +43,9 @@ which ``sharding.LOGICAL_RULES`` maps onto the ``expert`` mesh axis (then ``fsdp
 ``mesh.expert`` = 1, each batch shard routes and sorts only its own tokens (``decoder._moe_mlp``:
 ``jax.shard_map`` over the batch axes, the kernels gathered whole as fsdp gathers any layer's
 weights). With ``mesh.expert`` > 1 the tokens travel to the experts' devices instead and the
-kernels are never gathered: ``expert_parallel`` (a ring of experts on the CPU,
-``ragged_all_to_all`` on GPU and TPU), sharing this module's routing, gate weights and combine.
+kernels are never gathered: ``expert_parallel`` (a ring of experts on the CPU and the GPU,
+``ragged_all_to_all`` with ``ragged_dot``: the TPU's choice), sharing this module's routing,
+gate weights and combine.
 
 Routing replay (issue 40): ``select_experts`` accepts forced expert ids (a token whose row
 holds a -1 uses its live top-k); the gate weights are always gathered from the live float32
@@ -95,13 +102,17 @@ class RouterOutput:
 
 
 def resolve_impl(impl: MoEImpl, num_tokens: int = 0, num_experts: int = 0, k: int = 1) -> str:
-    """The kernel "auto" means here: by ``jax.default_backend()`` at trace time, and on the CPU
-    by shape (module docstring: ``dense`` when E <= 2k and N <= 256, else ``sorted_blocks``). A
-    program lowered on one platform for another (``jax.export`` from a CPU host for TPU or
-    CUDA) should set ``ModelConfig.moe_impl="ragged_dot"`` explicitly."""
+    """The kernel "auto" means here: by ``jax.default_backend()`` at trace time (TPU
+    ``ragged_dot``, GPU ``sorted_blocks``), and on the CPU by shape (module docstring: ``dense``
+    when E <= 2k and N <= 256, else ``sorted_blocks``). A program lowered on one platform for
+    another (``jax.export`` from a CPU host for TPU or CUDA) should set
+    ``ModelConfig.moe_impl`` explicitly."""
     if impl == "auto":
-        if jax.default_backend() in ("gpu", "tpu"):
+        backend = jax.default_backend()
+        if backend == "tpu":
             return "ragged_dot"
+        if backend == "gpu":  # measured on an H200 (module docstring)
+            return "sorted_blocks"
         small = num_experts <= 2 * k and num_tokens <= DENSE_MAX_TOKENS
         return "dense" if small else "sorted_blocks"
     return impl

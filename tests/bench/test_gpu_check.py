@@ -85,7 +85,7 @@ def test_cpu_smoke_writes_the_table_and_json(tmp_path):
     text = (tmp_path / "gpu_check.txt").read_text()
     assert text.strip() == proc.stdout.strip()
     rows = ("bf16 matmul", "forward (old logp)", "GRPO update", "MoE kernel ragged_dot",
-            "MoE (2-layer 30B-A3B) GRPO update", "JaxSampler", "demo (2 RL")  # fmt: skip
+            "MoE (2-layer 30B-A3B, sorted_blocks) GRPO update", "JaxSampler", "demo (2 RL")  # fmt: skip
     for row in rows:
         assert row in text, text
     # Every grouped kernel computes the one-hot reference's block (float32: rounding only).
