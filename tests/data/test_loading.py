@@ -191,5 +191,7 @@ def test_data_eval_replaces_a_generated_tasks_held_out_split(tmp_path, task):
     assert len(held_out) == 5
     cfg = config_lib.load_config("configs/demo.yaml", [*base, f"data.eval={path}"])
     train2, held_out2 = builders.load_splits(cfg)
-    assert [(p.question, p.answer) for p in held_out2] == [(r["problem"], r["answer"]) for r in rows]
+    assert [(p.question, p.answer) for p in held_out2] == [
+        (r["problem"], r["answer"]) for r in rows
+    ]
     assert [(p.question, p.answer) for p in train2] == [(p.question, p.answer) for p in train]
