@@ -55,6 +55,12 @@ ReferenceRoutes = Literal["auto", "replay", "live"]
 # extra forwards for the k3 gap, or none.
 MetricsMode = Literal["basic", "full", "off"]
 
+# The batch fields (``batch.register_field``): the experts to force, -1 where unknown, and the
+# sampler's own experts, not replayed, compared with the update's forward (``add_disagreement``).
+# Both are read beside the model's forward, so every update accepts them.
+ROUTES = batch_lib.register_field("routes", "btlk", "route", model=True)
+SAMPLER_ROUTES = batch_lib.register_field("sampler_routes", "btlk", "route", model=True)
+
 
 def check_mode(mode: str, key: str = "rl.routing_replay", choices: Any = ReplayMode) -> None:
     """Refuse ``mode`` unless it is one of the Literal ``choices`` (one line naming ``key``)."""
