@@ -97,7 +97,9 @@ class BatchError(ValueError):
     """A batch whose fields do not match what the update needs."""
 
 
-def register_field(name: str, layout: Layout, kind: Kind = "float", *, model: bool = False) -> Field:
+def register_field(
+    name: str, layout: Layout, kind: Kind = "float", *, model: bool = False
+) -> Field:
     """Declare a pass field (module docstring) and return it; called once, at import, by the
     module that owns the field. Registering the same declaration again is a no-op.
 
@@ -116,7 +118,7 @@ def register_field(name: str, layout: Layout, kind: Kind = "float", *, model: bo
     if name in _CORE:
         raise ValueError(f"register_field: {name!r} is a core Batch field")
     if _REGISTERED.get(name, field) != field:
-        raise ValueError(f"batch field {name!r} is registered twice: {_REGISTERED[name]} and {field}")
+        raise ValueError(f"batch field {name!r} registered twice: {_REGISTERED[name]}, {field}")
     _REGISTERED[name] = field
     return field
 

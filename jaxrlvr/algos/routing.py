@@ -5,10 +5,11 @@ independently, and float-level differences flip top-k choices that then compound
 the trainer's log-probs are those of a different network than the one that sampled. Replay
 forces the trainer's forward onto the experts the rollout used.
 
-- ``Batch.routes`` [B, T, L, k] (``algos.batch``) holds, per input token and MoE layer, the
-  experts to use (-1: the live top-k). ``to_model`` turns it into the decoder's ``routes``
-  [L, B, T, k]; ``engine.token_logprobs`` and ``engine.make_logprob_fn`` pass it on, so every
-  update's training forward and the old policy's ``prepare`` pass replay it. The reference's
+- ``Batch.routes`` [B, T, L, k] (``ROUTES``, a ``batch.register_field`` of this module) holds,
+  per input token and MoE layer, the experts to use (-1: the live top-k). ``to_model`` turns it
+  into the decoder's ``routes`` [L, B, T, k]; ``engine.token_logprobs`` and
+  ``engine.make_logprob_fn`` pass it on, so every update's training forward and the old
+  policy's ``prepare`` pass replay it. The reference's
   pass does not by default (``reference_batch``, ``rl.reference_routes``): the KL penalty
   compares with the reference as it routes itself, as slime runs it (replay "fallthrough" for
   the reference and the distillation teacher) and verl except under LoRA, where the reference
