@@ -250,7 +250,7 @@ class BatchSpec:
 def run_backbone(lm: Any, b: Batch, **kwargs):
     """``lm.backbone`` over a batch's tokens and packing fields (input ids, attention mask,
     positions, segment ids, shared-prompt group ids): the one place these are passed. ``kwargs``
-    go to ``backbone`` as they are (``routes=``, ``with_router=``)."""
+    go to ``backbone`` as they are (a MoE model's replay and router options)."""
     return lm.backbone(
         b.input_ids,
         b.attention_mask,
