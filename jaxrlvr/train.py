@@ -305,14 +305,11 @@ class Trainer:
     def _summary(self, wall_s: float) -> dict[str, Any]:
         loop = self.loop
         final = loop.eval_history[-1] if loop.eval_history else self.evaluate()
-        start = loop.phase_evals.get("start") or {}
-        # Each phase fills its own fields (``Phase.summary``) over these defaults.
-        fields = {
-            "algo": "none",
-            "sft_steps": 0,
-            "rl_steps": 0,
-            "eval_accuracy_after_sft": start.get("eval/accuracy"),
-        }
+        # Every phase a run may have gives its fields' values for a run without it
+        # (``Phase.summary_defaults``); the run's phases fill theirs (``Phase.summary``).
+        fields: dict[str, Any] = {}
+        for cls in dict.fromkeys(cls for _, cls in phases.PLAN):
+            fields.update(cls.summary_defaults(loop.phase_evals))
         for p in self.phases:
             fields.update(p.summary(loop.phase_evals))
         summary = {

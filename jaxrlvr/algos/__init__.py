@@ -19,7 +19,9 @@ The loss math, pure over arrays:
                   generalised JSD (full vocabulary or the teacher's top-k)
 
 The training machinery:
-  batch           Batch (the update's input), BatchSpec, validate_batch
+  batch           Batch (the update's input), BatchSpec, validate_batch, register_field (a
+                  feature's own batch fields, declared in its module: distill's teacher
+                  scores, routing's MoE routes)
   state           TrainState (the pytree an update consumes and returns)
   optim           OptimizerConfig, make_optimizer, make_schedule
   engine          microbatching, gradient accumulation, the one update skeleton, epochs,
@@ -38,6 +40,7 @@ Every loss is pure, jit-able (configs and sizes are static) and opens with chex 
 
 from jaxrlvr.algos.algorithm import Algorithm, select_fields
 from jaxrlvr.algos.batch import Batch, BatchError, BatchSpec, validate_batch
+from jaxrlvr.algos.distill import DistillConfig, DistillUpdateConfig, distill_algorithm
 from jaxrlvr.algos.grpo import GRPOUpdateConfig, grpo_algorithm
 from jaxrlvr.algos.losses import (
     compute_entropy,
@@ -90,6 +93,8 @@ __all__ = [
     # The records, their factories and configs, and the compiled path.
     "Algorithm",
     "CompiledAlgorithm",
+    "DistillConfig",
+    "DistillUpdateConfig",
     "GRPOUpdateConfig",
     "NonFiniteUpdateError",
     "PPOConfig",
@@ -97,6 +102,7 @@ __all__ = [
     "PreferenceLossConfig",
     "PreferenceUpdateConfig",
     "SFTUpdateConfig",
+    "distill_algorithm",
     "expert_iteration_algorithm",
     "grpo_algorithm",
     "ppo_algorithm",

@@ -131,5 +131,5 @@ def select_fields(batch: batch_lib.Batch, spec: batch_lib.BatchSpec) -> batch_li
     """``batch`` with every field that ``spec`` neither requires nor uses set to None."""
     keep = set(batch_lib.BASE_FIELDS) | set(spec.required) | set(spec.optional)
     keep |= set(batch_lib.PACKING_FIELDS)  # every update reads packed rows
-    keep |= set(batch_lib.MODEL_FIELDS)  # and the model's own inputs (routes)
-    return batch.replace(**{f.name: None for f in dataclasses.fields(batch) if f.name not in keep})
+    keep |= set(batch_lib.model_fields())  # and the model's own inputs (MoE routes)
+    return batch.replace(**{name: None for name in batch.as_dict() if name not in keep})

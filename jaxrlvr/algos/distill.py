@@ -91,6 +91,13 @@ from jaxrlvr.algos import batch as batch_lib
 _f32 = jnp.float32
 Signal = Literal["reverse_kl", "jsd"]
 
+# The rollout fields the teacher's scores arrive in (``batch.register_field``; the pass
+# ``passes.teacher_scores`` fills them): the teacher's log-prob of each label [B, T] (reverse KL),
+# or its K most likely next tokens and their log-probs [B, T, K] (the JSD over the top-k).
+TEACHER_LOGP = batch_lib.register_field("teacher_logp", "bt", "float")
+TEACHER_TOPK_IDS = batch_lib.register_field("teacher_topk_ids", "btk", "int")
+TEACHER_TOPK_LOGP = batch_lib.register_field("teacher_topk_logp", "btk", "float")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillConfig:

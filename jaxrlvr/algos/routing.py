@@ -5,17 +5,17 @@ independently, and float-level differences flip top-k choices that then compound
 the trainer's log-probs are those of a different network than the one that sampled. Replay
 forces the trainer's forward onto the experts the rollout used.
 
-- ``Batch.routes`` [B, T, L, k] (``algos.batch``) holds, per input token and MoE layer, the
-  experts to use (-1: the live top-k). ``to_model`` turns it into the decoder's ``routes``
-  [L, B, T, k]; ``engine.token_logprobs`` and ``engine.make_logprob_fn`` pass it on, so every
-  update's training forward and the old policy's ``prepare`` pass replay it. The reference's
-  pass does not by default (``reference_batch``, ``rl.reference_routes``): the KL penalty
-  compares with the reference as it routes itself, as slime runs it (replay "fallthrough" for
-  the reference and the distillation teacher) and verl except under LoRA, where the reference
-  is the policy's own base without the adapters and the routes are replayed (the "auto"
-  default does the same). A distillation teacher is another model: its passes never replay.
-  Only the selection is replayed: the gate weights come from the live float32 router softmax at
-  the chosen experts (``model.moe.select_experts``), so the router keeps its gradient.
+- ``Batch.routes`` [B, T, L, k] (``ROUTES``, a ``batch.register_field`` of this module) holds, per
+  input token and MoE layer, the experts to use (-1: the live top-k). ``to_model`` turns it into the
+  decoder's ``routes`` [L, B, T, k]; ``engine.token_logprobs`` and ``engine.make_logprob_fn`` pass
+  it on, so every update's training forward and the old policy's ``prepare`` pass replay it. The
+  reference's pass does not by default (``reference_batch``, ``rl.reference_routes``): the KL
+  penalty compares with the reference as it routes itself, as slime runs it (replay "fallthrough"
+  for the reference and the distillation teacher) and verl except under LoRA, where the reference is
+  the policy's own base without the adapters and the routes are replayed (the "auto" default does
+  the same). A distillation teacher is another model: its passes never replay. Only the selection is
+  replayed: the gate weights come from the live float32 router softmax at the chosen experts
+  (``model.moe.select_experts``), so the router keeps its gradient.
 - Modes (``ReplayMode``, the driver's ``rl.routing_replay``): ``"none"`` (routes are dropped
   before the update; they still feed the diagnostics), ``"r3"`` (rollout routing replay: the
   sampler's recorded routes), ``"r2"`` (the trainer's own routes of the batch under the
@@ -54,6 +54,12 @@ ReferenceRoutes = Literal["auto", "replay", "live"]
 # The diagnostics' cost (``passes.routing_replay``): from the update's own forward, plus two
 # extra forwards for the k3 gap, or none.
 MetricsMode = Literal["basic", "full", "off"]
+
+# The batch fields (``batch.register_field``): the experts to force, -1 where unknown, and the
+# sampler's own experts, not replayed, compared with the update's forward (``add_disagreement``).
+# Both are read beside the model's forward, so every update accepts them.
+ROUTES = batch_lib.register_field("routes", "btlk", "route", model=True)
+SAMPLER_ROUTES = batch_lib.register_field("sampler_routes", "btlk", "route", model=True)
 
 
 def check_mode(mode: str, key: str = "rl.routing_replay", choices: Any = ReplayMode) -> None:

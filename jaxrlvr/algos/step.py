@@ -23,7 +23,6 @@ Multi-host: every process calls these with the same global mesh. Two ways to fee
   global batch those are. The global batch is never assembled on any host.
 """
 
-import dataclasses
 import math
 from typing import Any, Literal
 
@@ -150,9 +149,9 @@ def process_row_block(mesh: Mesh) -> tuple[int, int]:
 
 def pad_rows(local_batch: batch_lib.Batch, rows: int, length: int) -> batch_lib.Batch:
     """``local_batch`` (NumPy) padded with rows and trailing positions that hold nothing (zero
-    ids, attention, loss mask and values; MoE routes -1, the "no recorded route" of
-    ``Batch.routes``) to ``rows`` x ``length``: every process's share of a global batch must have
-    the same shape."""
+    ids, attention, loss mask and values; each field's ``batch.Field.fill``: -1 in expert ids, the
+    "no recorded route" of MoE routes) to ``rows`` x ``length``: every process's share of a
+    global batch must have the same shape."""
 
     def pad(x, fill=0):
         x = np.asarray(x)
@@ -161,10 +160,8 @@ def pad_rows(local_batch: batch_lib.Batch, rows: int, length: int) -> batch_lib.
             widths[1] = (0, length - x.shape[1])
         return np.pad(x, widths, constant_values=fill) if any(w[1] for w in widths) else x
 
-    out = jax.tree.map(pad, local_batch)
-    if local_batch.routes is not None:
-        out = out.replace(routes=pad(local_batch.routes, fill=-1))
-    return out
+    fields = local_batch.as_dict().items()
+    return batch_lib.Batch(**{n: pad(x, fill=batch_lib.get_field(n).fill) for n, x in fields})
 
 
 def agree_local_shapes(local_batch: batch_lib.Batch) -> batch_lib.Batch:
@@ -198,11 +195,7 @@ def shard_local_batch(local_batch: batch_lib.Batch, mesh: Mesh) -> batch_lib.Bat
         of the number of batch shards this process holds.
     """
     n, held = _batch_shard_layout(mesh)
-    rows = {
-        f.name: np.shape(getattr(local_batch, f.name))[0]
-        for f in dataclasses.fields(local_batch)
-        if getattr(local_batch, f.name) is not None
-    }
+    rows = {name: np.shape(x)[0] for name, x in local_batch.as_dict().items()}
     if len(set(rows.values())) > 1:
         raise batch_lib.BatchError(f"shard_local_batch: fields have different row counts {rows}")
     local_rows = next(iter(rows.values()))

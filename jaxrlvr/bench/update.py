@@ -205,7 +205,7 @@ def make_r1zero_batch(shape: Shape, vocab_size: int, *, packed: bool, seed: int 
         n = shape.microbatches
         p = rollout.pack(prompts, comps, pad_id=0, length=max(map(len, prompts)) + max(lengths))
     out = rollout.to_batch(p, advantages=adv)
-    out = {k: np.asarray(v) for k, v in vars(out).items() if v is not None}
+    out = {k: np.asarray(v) for k, v in out.as_dict().items()}
     out["num_microbatches"] = n
     return out
 

@@ -3,9 +3,12 @@
 A pass (``RolloutPass``) declares the ``Batch`` fields it adds (``fields``: name -> where it
 computes them), where it runs (``where``: "host", "device" or "both"), its checks (made when it
 is built, from the run's config and model, before any compute) and its metrics (once, in the
-pass). The carriers move its fields without knowing them: ``GradedRollouts.fields`` (per
-completion token, from ``host``), ``rollout.shape`` (laid out like the sampler's log-probs), the
-learner (``device`` before the record's ``prepare``; ``finish`` on the step's device metrics).
+pass). Each field is declared once, with its layout and dtype class, by the module that owns it
+(``batch.register_field``: ``algos.distill``'s teacher scores, ``teachers.registry``'s domain
+ids, ``algos.routing``'s routes). The carriers move its fields without knowing them:
+``GradedRollouts.fields`` (per completion token, from ``host``), ``rollout.shape`` (laid out like
+the sampler's log-probs), ``Batch.extra`` (by name), the learner (``device`` before the record's
+``prepare``; ``finish`` on the step's device metrics).
 
 ``passes()`` lists them in the order they run; ``build`` makes the run's (each pass's
 ``from_config`` returns None when the run does not need it). A new pass is its module plus one

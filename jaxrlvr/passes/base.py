@@ -15,7 +15,8 @@ class RolloutPass:
     """What a pass offers the rollout source and the learner (no-op defaults).
 
     Class attributes: ``name`` (its timer phase and how errors call it), ``where``, ``fields``
-    (``Batch`` field -> "host" or "device": where the pass computes it).
+    (``Batch`` field -> "host" or "device": where the pass computes it; each a field registered
+    with ``batch.register_field`` by the module that owns it).
     """
 
     name: ClassVar[str]

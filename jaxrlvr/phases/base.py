@@ -317,6 +317,12 @@ class Phase:
         """The progress bar's fields after a step."""
         return {"phase": self.name}
 
+    @classmethod
+    def summary_defaults(cls, evals: dict[str, dict]) -> dict[str, Any]:
+        """The phase's fields of the summary of a run without it (every phase of
+        ``phases.PLAN`` is asked, so a summary has the same keys whatever the run's phases)."""
+        return {}
+
     def summary(self, evals: dict[str, dict]) -> dict[str, Any]:
         """The phase's fields of the run's summary; ``evals``: the held-out evaluation after each
         finished phase, by name ("start": before any step)."""
@@ -396,6 +402,10 @@ class RLStepsPhase(Phase):
     def postfix(self, metrics):
         reward = metrics.get(self.reward_metric, float("nan"))
         return {"phase": self.cfg.rl.algo, "reward": f"{reward:.2f}"}
+
+    @classmethod
+    def summary_defaults(cls, evals):
+        return {"algo": registry.NONE, "rl_steps": 0}
 
     def summary(self, evals):
         return {"algo": self.cfg.rl.algo, "rl_steps": self.position}

@@ -70,6 +70,12 @@ class SFTPhase(base.Phase):
         after = base.accuracy_text(summary["eval_accuracy_after_sft"])
         return [f"held-out accuracy after SFT warm start: {after}"]
 
+    @classmethod
+    def summary_defaults(cls, evals):
+        # Without a warm start, the accuracy "after SFT" is the starting one.
+        start = evals.get("start") or {}
+        return {"sft_steps": 0, "eval_accuracy_after_sft": start.get("eval/accuracy")}
+
     def summary(self, evals):
         out = {"sft_steps": self.position}
         if "sft" in evals:

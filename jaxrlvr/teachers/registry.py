@@ -32,6 +32,12 @@ import numpy as np
 from jaxrlvr.algos import batch as batch_lib
 from jaxrlvr.teachers.local import LocalTeacher, TeacherError
 
+# Each label's problem domain, an index into ``TeacherRegistry.names`` (``batch.register_field``;
+# the pass ``passes.teacher_scores`` fills it): which local teacher scores it
+# (``device_scores``) and its metrics' domain (``metrics``); read by no update (``select_fields``
+# drops it).
+DOMAIN_IDS = batch_lib.register_field("domain_ids", "bt", "int")
+
 
 class Teacher(Protocol):
     name: str
