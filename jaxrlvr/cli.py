@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards", "memory", "loop")
+BENCHMARKS = ("update", "sampler", "sync", "forward", "rewards", "memory", "loop", "ops")
 
 # glibc malloc settings for the commands that run XLA:CPU programs. Without them every call of
 # a compiled program maps its temporary buffers afresh (large allocations are mmap'd, and a
