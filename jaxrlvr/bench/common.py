@@ -152,10 +152,17 @@ class WorkerError(RuntimeError):
 
 
 def worker_env() -> dict[str, str]:
-    """The environment for a worker: CPU JAX unless set, one device (not the tests' 8 fake)."""
+    """The environment for a worker: CPU JAX unless set, one device (the tests' 8 fake devices
+    dropped from ``XLA_FLAGS``; its other flags, e.g. the tests' -O0 backend, are kept)."""
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env.pop("XLA_FLAGS", None)
+    flags = [
+        f
+        for f in env.pop("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-BENCHMARKS = ("forward", "memory", "rewards", "sampler", "sync", "update")
+BENCHMARKS = ("forward", "memory", "ops", "rewards", "sampler", "sync", "update")
 
 
 def _help(name: str, capsys) -> str:
@@ -59,3 +59,15 @@ def test_bad_flags_are_named(name, argv, says, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"jaxrlvr bench {name}: error: {says}" in err
+
+
+def test_worker_env_drops_only_the_fake_devices(monkeypatch):
+    """Bench workers get one CPU device (the tests' 8 fake devices dropped) but keep the other
+    XLA flags (the suite's -O0 backend, a user's own)."""
+    from jaxrlvr.bench import common
+
+    fake = "--xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_optimization_level=0 {fake}")
+    assert common.worker_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", fake)
+    assert "XLA_FLAGS" not in common.worker_env()
