@@ -181,6 +181,7 @@ def main(root="runs/replay_offpolicy", out="docs/experiments/replay_offpolicy", 
         a.set_xlabel("RL step")
         a.legend(fontsize=6)
     ax[1].set_yscale("log")
+    ax[2].set_yscale("symlog", linthresh=0.01)  # GSPO's sequence clip sits at ~0.5, GRPO's at ~0.04
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=100)
 

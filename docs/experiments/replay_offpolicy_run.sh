@@ -12,6 +12,9 @@
 # /tmp/demo.lock; nice -n 15 is the caller's (as below).
 # Usage: [J=path/to/jaxrlvr] [STEPS=80] [SEEDS="0 1 2"] docs/experiments/replay_offpolicy_run.sh
 #   then: python scripts/replay_offpolicy_report.py runs/replay_offpolicy docs/experiments/replay_offpolicy
+# The larger-learning-rate regime (5x: more drift within a step), on the same warm start:
+#   R=runs/replay_offpolicy_lr1e-3 WARM=runs/replay_offpolicy/sft_hf \
+#     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=1.0e-3
 # Pilots (1 seed, GRPO; what the write-up reports):
 #   SEEDS=0 VARIANTS=grpo STEPS=20 TOTAL=20 PROMPTS=16 ...   (pilot 1: the schedule mistake)
 #   SEEDS=0 VARIANTS=grpo STEPS=60 EVAL_PROBLEMS=50 ...      (pilot 2: timing and drift)
@@ -22,6 +25,9 @@ EPOCHS=${EPOCHS:-4}
 TOTAL=${TOTAL:-$((STEPS * EPOCHS))}
 export R=${R:-runs/replay_offpolicy}
 export VARIANTS="${VARIANTS:-grpo grpo_tis grpo_r3 grpo_r3_tis gspo}"
+if [ -n "${WARM:-}" ] && [ ! -e "$R/sft_hf" ]; then  # share another regime's warm start
+  mkdir -p "$R" && ln -s "$(realpath "$WARM")" "$R/sft_hf"
+fi
 exec nice -n 15 scripts/routing_replay_experiment.sh rl.steps="$STEPS" optim.total_steps="$TOTAL" \
   rl.prompts_per_step="${PROMPTS:-32}" rl.epochs_per_step="$EPOCHS" \
   rl.routing_metrics=full rl.routing_metrics_every="${FULL_EVERY:-5}" \
