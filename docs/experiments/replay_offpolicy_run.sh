@@ -9,15 +9,17 @@
 # this script fixes the regime. The learning-rate schedule counts optimizer steps, so
 # optim.total_steps = rl.steps x epochs (with total_steps = rl.steps the cosine reaches 0 after a
 # quarter of the run: the first pilot's mistake). Runs go one after the other under
-# /tmp/demo.lock; nice -n 15 is the caller's (as below).
+# /tmp/demo.lock and nice -n 15.
 # Usage: [J=path/to/jaxrlvr] [STEPS=80] [SEEDS="0 1 2"] docs/experiments/replay_offpolicy_run.sh
 #   then: python scripts/replay_offpolicy_report.py runs/replay_offpolicy docs/experiments/replay_offpolicy
-# The larger-learning-rate regime (5x: more drift within a step), on the same warm start:
-#   R=runs/replay_offpolicy_lr1e-3 WARM=runs/replay_offpolicy/sft_hf \
-#     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=1.0e-3
+# The larger learning rates (more drift within a step), on the same warm start, 40 steps:
+#   R=runs/replay_offpolicy_lr1e-3 WARM=runs/replay_offpolicy/sft_hf STEPS=40 \
+#     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=1.0e-3      (regime B)
+#   R=runs/replay_offpolicy_lr5e-4 WARM=runs/replay_offpolicy/sft_hf STEPS=40 \
+#     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=5.0e-4      (regime C)
 # Pilots (1 seed, GRPO; what the write-up reports):
-#   SEEDS=0 VARIANTS=grpo STEPS=20 TOTAL=20 PROMPTS=16 ...   (pilot 1: the schedule mistake)
-#   SEEDS=0 VARIANTS=grpo STEPS=60 EVAL_PROBLEMS=50 ...      (pilot 2: timing and drift)
+#   SEEDS=0 VARIANTS=grpo STEPS=20 TOTAL=20 PROMPTS=16 EVAL_PROBLEMS=50 ...  (pilot 1: schedule)
+#   SEEDS=0 VARIANTS=grpo STEPS=60 EVAL_PROBLEMS=50 ...  (pilot 2: timing and drift)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-80}
