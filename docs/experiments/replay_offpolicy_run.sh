@@ -12,11 +12,9 @@
 # /tmp/demo.lock and nice -n 15.
 # Usage: [J=path/to/jaxrlvr] [STEPS=80] [SEEDS="0 1 2"] docs/experiments/replay_offpolicy_run.sh
 #   then: python scripts/replay_offpolicy_report.py runs/replay_offpolicy docs/experiments/replay_offpolicy
-# The larger learning rates (more drift within a step), on the same warm start, 40 steps:
+# The larger learning rate (5x: more drift within a step), on the same warm start, 40 steps:
 #   R=runs/replay_offpolicy_lr1e-3 WARM=runs/replay_offpolicy/sft_hf STEPS=40 \
 #     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=1.0e-3      (regime B)
-#   R=runs/replay_offpolicy_lr5e-4 WARM=runs/replay_offpolicy/sft_hf STEPS=40 \
-#     docs/experiments/replay_offpolicy_run.sh optim.learning_rate=5.0e-4      (regime C)
 # Pilots (1 seed, GRPO; what the write-up reports):
 #   SEEDS=0 VARIANTS=grpo STEPS=20 TOTAL=20 PROMPTS=16 EVAL_PROBLEMS=50 ...  (pilot 1: schedule)
 #   SEEDS=0 VARIANTS=grpo STEPS=60 EVAL_PROBLEMS=50 ...  (pilot 2: timing and drift)
