@@ -21,13 +21,21 @@ VARIANTS = {"grpo": "GRPO, no replay", "grpo_r3": "GRPO + R3", "gspo": "GSPO, no
 
 
 def rl_rows(run: str) -> list[dict]:
+    """The RL update rows of a run's metrics.jsonl (one per step; eval-only rows left out)."""
     with open(os.path.join(run, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return [r for r in rows if "routing/disagree" in r]
+    return [r for r in rows if "loss" in r]
 
 
 def series(rows, key):
+    """``key`` of every row as float, NaN where a row lacks it."""
     return np.asarray([r.get(key, np.nan) for r in rows], float)
+
+
+def ms(x):
+    """'mean ± std' of ``x`` (NaN-aware)."""
+    x = np.asarray(x, float)
+    return f"{np.nanmean(x):.4g} ± {np.nanstd(x):.2g}"
 
 
 def main(root="runs/routing_replay", out="docs/experiments/routing_replay"):
@@ -74,10 +82,6 @@ def main(root="runs/routing_replay", out="docs/experiments/routing_replay"):
             "o-",
             label=label,
         )
-
-        def ms(x):
-            x = np.asarray(x, float)
-            return f"{np.nanmean(x):.4g} ± {np.nanstd(x):.2g}"
 
         print(
             f"| {label} | {len(done)} | {ms(np.nanmean(stat['routing/disagree'], 1))} | "
