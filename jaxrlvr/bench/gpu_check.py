@@ -326,7 +326,7 @@ def _moe_kernels(smoke: bool) -> dict:
     def ep_ragged(x, ids, w, g, u, dn):
         # The expert-parallel dispatch itself (two ragged all-to-alls) on a one-device axis.
         spec = PartitionSpec()
-        fn = functools.partial(expert_parallel._ragged, ep=1)
+        fn = functools.partial(expert_parallel.ragged_dispatch, ep=1)
         return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(
             x, ids, w, g, u, dn
         )

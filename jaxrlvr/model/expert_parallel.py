@@ -116,7 +116,7 @@ def routed_experts(
         y = _local_experts(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
         return jax.lax.psum(y, AXIS)
     if dispatch_for(impl) == "ragged":
-        return _ragged(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, ep=ep)
+        return ragged_dispatch(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, ep=ep)
     return _ring(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
 
 
@@ -138,7 +138,7 @@ def _ring(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd) -> jax.Array:
     return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
 
 
-def _ragged(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, *, ep) -> jax.Array:
+def ragged_dispatch(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, *, ep) -> jax.Array:
     """Ragged all-to-all dispatch and combine (module docstring)."""
     n, d = x_nd.shape
     k = ids_nk.shape[1]
