@@ -20,8 +20,9 @@ too):
   ``moe.dense_experts`` on the local experts), and ``psum_scatter`` sums the ep partial outputs
   and gives each device its own rows back. Static shapes, no capacity: dropless by
   construction. Its work is E_local x ep x n = E x n expert-rows per device (E / (ep x k) times
-  the routed slots; 2x at Qwen3-30B-A3B with ep=8), its buffers ep x n x D tokens and
-  E_local x ep x n x F activations. Measured against the alternatives that compile on the CPU,
+  the routed slots; 2x at Qwen3-30B-A3B with ep=8), its buffers ep x n x D tokens and, since
+  the local experts take one source device's block of rows at a time, E_local x n x F
+  activations. Measured against the alternatives that compile on the CPU,
   see docs/moe.md ("Expert parallelism").
 - ``"ragged"`` (TPU, or ``moe_impl: ragged_dot`` asked for on a GPU):
   ``jax.lax.ragged_all_to_all``. Slots sorted by expert go to their experts' devices (sizes
@@ -132,10 +133,21 @@ def _local_experts(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd) -> jax.
 
 
 def _ring(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd) -> jax.Array:
-    """Ring of experts: all-gather the group's rows, local experts, reduce-scatter."""
-    gather = lambda a: jax.lax.all_gather(a, AXIS, tiled=True)  # noqa: E731
-    y = _local_experts(gather(x_nd), gather(ids_nk), gather(weights_nk), gate_edf, up_edf, down_efd)
-    return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+    """Ring of experts: all-gather the group's rows, local experts, reduce-scatter.
+
+    The local experts run on one source device's n rows at a time (``lax.map`` over the ep
+    blocks of the gather, each block rematerialised in the backward), so the dense
+    [E_local, n, F] activations and [E_local, n, D] per-expert outputs live for one block, not
+    for all ep x n rows: ep times less of the layer's largest temporaries, the same sums."""
+    gather = lambda a: jax.lax.all_gather(a, AXIS)  # [ep, n, ...]  # noqa: E731
+
+    @jax.checkpoint
+    def block(args):
+        x, ids, weights = args
+        return _local_experts(x, ids, weights, gate_edf, up_edf, down_efd)
+
+    y = jax.lax.map(block, (gather(x_nd), gather(ids_nk), gather(weights_nk)))  # [ep, n, D]
+    return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=False)
 
 
 def ragged_dispatch(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, *, ep) -> jax.Array:
