@@ -355,6 +355,26 @@ def check_routing_replay(cfg: config_lib.TrainConfig) -> None:
         )
 
 
+def check_schedule_covers_epochs(cfg: config_lib.TrainConfig) -> None:
+    """A cosine schedule counts optimiser updates, and an RL step with ``rl.epochs_per_step``
+    E makes E of them: ``optim.total_steps`` below ``rl.steps`` x E would decay to the final rate
+    part-way through the run and train the rest there (the usual slip: ``total_steps`` =
+    ``rl.steps``, then epochs raised)."""
+    r, o = cfg.rl, cfg.optim
+    if o.schedule != "cosine" or r.epochs_per_step <= 1 or r.steps <= 0 or r.algo == "none":
+        return
+    if r.preference or o.total_steps is None:
+        return
+    updates = r.steps * r.epochs_per_step
+    if o.total_steps < updates:
+        raise configlib.PreflightError(
+            f"optim.total_steps={o.total_steps} counts optimiser updates: rl.steps={r.steps} x "
+            f"rl.epochs_per_step={r.epochs_per_step} = {updates}, so the cosine schedule would "
+            f"reach its final rate at RL step {o.total_steps // r.epochs_per_step}; "
+            f"set optim.total_steps={updates}"
+        )
+
+
 def check_teachers(cfg: config_lib.TrainConfig) -> None:
     """Each teacher ``rl.distill`` names is a model folder (config.json and safetensors) or a
     vLLM server that answers ``/health``, and the configured domains have one. Its tokenizer,
@@ -425,6 +445,7 @@ def check(
         rundir.check_run_dir(cfg.run.out_dir, resume=resume, overwrite=overwrite)
         check_routing_replay(cfg)
         check_teachers(cfg)
+        check_schedule_covers_epochs(cfg)
     if checkpoint is not None:
         flag = "export RUN_DIR" if mode == "export" else "--checkpoint"
         rundir.check_checkpoint(checkpoint, flag, step)

@@ -285,3 +285,26 @@ def test_sampler_devices_leave_the_trainer_one():
     assert str(err.value) == (
         "sampler.jax_devices=4: the host has 4 devices, and the trainer needs at least one"
     )
+
+
+def test_cosine_schedule_must_cover_every_epoch():
+    """With 2 epochs per RL step a cosine over rl.steps updates would end half-way: refused in
+    one line naming the keys; total_steps = steps x epochs, a constant schedule and 1 epoch
+    pass."""
+    over = ["rl.steps=200", "rl.epochs_per_step=2", "optim.schedule=cosine"]
+    cfg = config_lib.load_config("configs/demo.yaml", [*over, "optim.total_steps=200"])
+    with pytest.raises(configlib.PreflightError) as err:
+        preflight.check_schedule_covers_epochs(cfg)
+    assert str(err.value) == (
+        "optim.total_steps=200 counts optimiser updates: rl.steps=200 x rl.epochs_per_step=2 = "
+        "400, so the cosine schedule would reach its final rate at RL step 100; "
+        "set optim.total_steps=400"
+    )
+    for ok in (
+        ["optim.total_steps=400"],
+        ["optim.total_steps=200", "optim.schedule=constant"],
+        ["optim.total_steps=200", "rl.epochs_per_step=1"],
+    ):
+        preflight.check_schedule_covers_epochs(
+            config_lib.load_config("configs/demo.yaml", [*over, *ok])
+        )

@@ -176,18 +176,48 @@ def main(root="runs/distill_long", out="docs/experiments/distill_long"):
         at = {int(x): i for i, x in enumerate(arr[0, :, 0])}
         cells = [fmt(arr[:, at[s], 2]) if s in at else "-" for s in steps]
         print(f"| {METHODS[m]} | {len(arr)} | " + " | ".join(cells) + f" | {fmt(arr[:, -1, 1])} |")
+    if "grpo" in data:
+        print_equal_flops(data)
     rkl_dir = os.path.join(root, "rkl")
     if os.path.isdir(rkl_dir):
-        print()
-        print("| run | held-out reverse KL per token | per sequence | accuracy | length |")
-        print("|---|---|---|---|---|")
-        for path in sorted(glob.glob(os.path.join(rkl_dir, "*.json"))):
-            r = read_json(path)
-            print(
-                f"| {os.path.basename(path)[:-5]} | {r['reverse_kl_per_token']:.4f} | "
-                f"{r['reverse_kl_per_sequence']:.3f} | {r['accuracy']:.3f} | "
-                f"{r['response_length']:.1f} |"
-            )
+        print_rkl(rkl_dir)
+
+
+def at_flops(arr, budget):
+    """Each seed's accuracy at ``budget`` FLOPs, linear in FLOPs between its evaluations (None
+    past the method's last one)."""
+    if budget > arr[:, -1, 1].min():
+        return None
+    return [float(np.interp(budget, a[:, 1], a[:, 2])) for a in arr]
+
+
+def print_equal_flops(data):
+    """Accuracy at equal student compute: at GRPO's FLOPs after each of its evaluations."""
+    budgets = [float(x) for x in data["grpo"][:, 1:, 1].mean(0)]
+    print()
+    print("| method | " + " | ".join(f"{b:.3g} FLOPs" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for m, arr in data.items():
+        cells = [at_flops(arr, b) for b in budgets]
+        print(f"| {METHODS[m]} | " + " | ".join("-" if c is None else fmt(c) for c in cells) + " |")
+
+
+def print_rkl(rkl_dir):
+    """The held-out reverse KL to the teacher, mean +- std over seeds per method (the warm start
+    alone)."""
+    groups = {}
+    for path in sorted(glob.glob(os.path.join(rkl_dir, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        groups.setdefault(re.sub(r"_s\d+", "", name), []).append(read_json(path))
+    print()
+    print("| student | seeds | held-out reverse KL per token | per sequence | accuracy | length |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in groups.items():
+        col = lambda k: fmt([r[k] for r in rs])  # noqa: B023, E731
+        print(
+            f"| {name} | {len(rs)} | {col('reverse_kl_per_token')} | "
+            f"{col('reverse_kl_per_sequence')} | {col('accuracy')} | {col('response_length')} |"
+        )
 
 
 if __name__ == "__main__":
