@@ -2,7 +2,7 @@
 # Distillation on long outputs (issue 48 item 3): the long scratchpad task
 # (configs/distill_long_base.yaml: 44-124 tokens of work per answer), its SFT warm start
 # exported, a GRPO teacher (150 steps) exported, the teacher's verified samples on the training
-# prompts, then per seed five students from the one warm start, 60 steps each:
+# prompts, then per seed five students from the one warm start, 40 steps each:
 #   opd         on-policy distillation, reverse KL, no reward   (distill_long_student_opd.yaml)
 #   opd_reward  the same plus GRPO's group advantage (coef 1)   (..._opd_reward.yaml)
 #   grpo        GRPO, no teacher                                (..._grpo.yaml)
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 J=${J:-.venv/bin/jaxrlvr}
 PY=${PY:-.venv/bin/python}
 SEEDS="${SEEDS:-0 1 2}"
-SFT_POINTS="${SFT_POINTS:-20 40 60}"
+SFT_POINTS="${SFT_POINTS:-20 40}"
 q=(run.progress=false)
 if [ "${SMOKE:-0}" = 1 ]; then
   R=${R:-runs/distill_long_smoke}
