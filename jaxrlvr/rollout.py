@@ -329,6 +329,27 @@ def _group_items(prompts, completions, group_size: int) -> list[_Item]:
     return items
 
 
+def packed_length(
+    longest: int, *, max_length: int | None = None, row_tokens: int | None = None
+) -> int:
+    """Packed rows' length T for items of at most ``longest`` positions: ``row_tokens`` (or the
+    power-of-two bucket of the longest item, capped at ``max_length``) when the longest fits.
+
+    An item can be longer than ``max_length`` (the longest one sequence may be): a group sharing
+    its prompt holds all its completions. Such T are bucketed too, at ``row_tokens + 1`` (or
+    ``max_length``) times 1, 1.5, 2, 3, 4, 6, ... (at most a third padding), so that steps whose
+    groups outgrow the row compile a few updates, not one per longest group (a tiny MoE demo
+    that samples 12-token answers after a short warm start compiled its update afresh on 12 of
+    13 steps, ~10 s each, before these buckets).
+    """
+    fits = max(length_bucket(longest + 1, maximum=max_length) - 1, row_tokens or 0)
+    cap = (row_tokens + 1) if row_tokens else max_length
+    if cap is None or longest + 1 <= max(cap, max_length or 0):
+        return fits
+    halves = row_bucket(-(-2 * (longest + 1) // cap))  # T + 1 in half-multiples of the cap
+    return (halves * cap + 1) // 2 - 1
+
+
 def _pack_segments(
     prompts,
     completions,
@@ -352,7 +373,7 @@ def _pack_segments(
         items = _sequence_items(prompts, completions)
     longest = max((it.size for it in items), default=1)
     if length is None:
-        length = max(length_bucket(longest + 1, maximum=max_length) - 1, row_tokens or 0)
+        length = packed_length(longest, max_length=max_length, row_tokens=row_tokens)
     if longest > length:
         what = "a group sharing its prompt" if share_prompts else "a row"
         raise ValueError(f"pack: {what} of {longest + 1} tokens does not fit length T={length} + 1")

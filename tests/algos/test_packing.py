@@ -352,6 +352,27 @@ def test_pack_layout_and_row_buckets():
     ]  # fmt: skip
 
 
+def test_groups_longer_than_a_sequence_may_be_share_few_row_lengths():
+    # A group sharing its prompt may outgrow max_length (max_position_embeddings): its rows'
+    # length is still bucketed (T + 1 at 64 x 1, 1.5, 2, 3, ...), so steps whose longest group
+    # is 70, 80 or 94 positions share one update program (before: T = 70, 80, 94 exactly).
+    lengths = set()
+    for n in (8, 10, 11):  # 8 completions of n tokens after a 7-token prompt: 6 + 8n positions
+        prompts, comps = [list(range(1, 8))] * 8, [[9] * n] * 8
+        p = rollout.pack(
+            prompts, comps, pad_id=0, segments=True, share_prompts=8, row_tokens=63, max_length=64
+        )
+        assert 6 + 8 * n > 63 and p.shape[0] == 1
+        lengths.add(p.shape[1])
+        assert p.num_tokens == 8 * n
+    assert lengths == {95}
+    assert rollout.packed_length(63, max_length=64, row_tokens=63) == 63
+    assert [rollout.packed_length(n, max_length=64, row_tokens=63) for n in (64, 96, 128)] == [
+        95, 127, 191,
+    ]  # fmt: skip
+    assert rollout.packed_length(100, max_length=128, row_tokens=63) == 127  # within the cap
+
+
 def test_segment_helpers_and_batch_validation():
     seg = jnp.asarray([[1, 1, 2, 2, 2, 0]], jnp.int32)
     x = jnp.asarray([[1.0, 2.0, 3.0, 4.0, 5.0, 9.0]])
