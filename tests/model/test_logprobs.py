@@ -1,6 +1,6 @@
 """Chunked log-probs (model.logprobs.logprobs_from_hidden) equal the unchunked ones: values,
-entropies and gradients (to params and to hidden states) within 1e-6 in float32, for chunk sizes
-that do and do not divide T, tied and untied heads, with and without an entropy gradient."""
+entropies and gradients (to params and to hidden states) in float32, for chunk sizes that do and
+do not divide T, tied and untied heads, with and without an entropy gradient."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,11 @@ from jaxrlvr.model import logprobs as logprobs_lib
 
 B, T = 3, 11
 TOL = 1e-6
+# The parameter gradients sum B x T = 33 positions' terms (and, with a tied head, the embedding's
+# and the head's); chunking changes that summation order, so float32 rounding (eps 1.2e-7) adds up
+# to ~33 eps of the summed terms' scale. One CPU gave 1.1e-6 abs (1.0e-5 rel) on a 0.11 entry;
+# a wrong chunk (a dropped or doubled position) moves entries by ~1e-1.
+GRAD_TOL = 1e-5
 
 
 def _setup(tie: bool, seed: int = 0):
@@ -40,9 +45,9 @@ def _loss(graphdef, ids, labels, w, chunk_size, entropy_grad):
     return f
 
 
-def _assert_close(a, b):
+def _assert_close(a, b, tol=TOL):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 @pytest.mark.slow  # ~40 s per case on 2 shared cores (two compiled model gradients)
@@ -62,7 +67,7 @@ def test_chunked_equals_unchunked(tie, chunk_size, entropy_grad):
     (v_got, aux_got), g_got = got(params)
     _assert_close(aux_got, aux_ref)  # log-probs and entropies [B, T]
     _assert_close(v_got, v_ref)
-    _assert_close(g_got, g_ref)
+    _assert_close(g_got, g_ref, GRAD_TOL)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 5])
