@@ -10,7 +10,7 @@ if [ -z "${JAXRLVR_VLLM_PYTHON:-}" ] && [ "${JAXRLVR_SKIP_VLLM_SETUP:-0}" != "1"
   JAXRLVR_VLLM_PYTHON=$(scripts/setup_vllm.sh | tail -n1)
   export JAXRLVR_VLLM_PYTHON
 fi
-# Two workers (JAXRLVR_TEST_WORKERS; 0 runs in one process): one test module per worker at a time,
-# every vLLM module on one worker (the groups: tests/conftest.py). On 2 cores this took the suite's
+# Two workers (JAXRLVR_TEST_WORKERS; 0 runs in one process): whole test modules per worker, every
+# vLLM module together on one (the scheduler: tests/conftest.py). On 2 cores this took the suite's
 # algos folder from 773 s to 546 s.
-exec "$PY" -m pytest -q -n "${JAXRLVR_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec "$PY" -m pytest -q -n "${JAXRLVR_TEST_WORKERS:-2}" "$@"

@@ -5,8 +5,7 @@ first conftest, before any test module imports jax.
 """
 
 import os
-
-import pytest
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -25,8 +24,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+
 # Fixtures that start or hold a real vLLM server (tests/sampling/conftest.py and modules' own).
 _VLLM_FIXTURES = {"vllm_python", "vllm_server", "_vllm_server_session"}
+_VLLM_WORDS = ("mark.vllm", *_VLLM_FIXTURES)
 
 
 def _uses_vllm(item) -> bool:
@@ -35,18 +36,36 @@ def _uses_vllm(item) -> bool:
     )
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist (scripts/test.sh runs two workers with ``--dist loadgroup``).
+def _vllm_module(path: str) -> bool:
+    """Whether a test module (a path relative to the root) starts or uses a vLLM server, from its
+    text: xdist's controller sees test ids only, not marks or fixtures."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError:
+        return False
+    return any(word in text for word in _VLLM_WORDS)
 
-    Each test module is one group, so its module fixtures (compiled programs, trained runs) are
-    built on one worker only. Every module with a vLLM test is one group, ``vllm``, run on one
-    worker and first (it is the longest): the session's shared server then starts once, the
-    tests that kill it still run after its other users (tests/sampling/conftest.py), and no two
-    vLLM servers (a few GiB each) run at once. Without xdist the marks do nothing."""
+
+def pytest_xdist_make_scheduler(config, log):
+    """Two workers (scripts/test.sh: ``-n 2``) share out whole test modules, so each module's
+    fixtures (compiled programs, trained runs) are built on one worker only, and every module
+    with a vLLM test goes to one worker as one unit, in collection order: the session's shared
+    server starts once, its tests see it in the same order as in one process (some read the
+    weights an earlier test loaded), the tests that kill it still run after its other users
+    (tests/sampling/conftest.py), and no two vLLM servers (a few GiB each) run at once. (xdist's
+    own ``--dist loadgroup`` reads a test id that pytest 9 no longer uses.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndVLLM(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "vllm" if _vllm_module(path) else path
+
+    return ModulesAndVLLM(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vLLM modules first (they are the longest unit under xdist, so it starts at once); a
+    stable sort, every other order (the server-killing tests last) kept."""
     vllm_modules = {item.path for item in items if _uses_vllm(item)}
-    for item in items:
-        group = "vllm" if item.path in vllm_modules else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(name=group))
-    # A stable sort: the vLLM group first, every other order (the killing tests last) kept.
     items.sort(key=lambda item: item.path not in vllm_modules)
