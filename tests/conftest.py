@@ -24,7 +24,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-
 # Fixtures that start or hold a real vLLM server (tests/sampling/conftest.py and modules' own).
 _VLLM_FIXTURES = {"vllm_python", "vllm_server", "_vllm_server_session"}
 _VLLM_WORDS = ("mark.vllm", *_VLLM_FIXTURES)
