@@ -4,6 +4,7 @@ XLA_FLAGS must be set before JAX initialises its backends, so this runs at impor
 first conftest, before any test module imports jax.
 """
 
+import functools
 import os
 import pathlib
 
@@ -35,6 +36,7 @@ def _uses_vllm(item) -> bool:
     )
 
 
+@functools.cache
 def _vllm_module(path: str) -> bool:
     """Whether a test module (a path relative to the root) starts or uses a vLLM server, from its
     text: xdist's controller sees test ids only, not marks or fixtures."""
