@@ -394,7 +394,12 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "model_type": model.config.model_type,
         # transformers' MoE experts kernel (Qwen3-MoE: "grouped_mm" by default); None if dense
-        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        # (transformers sets the attribute on dense configs too, e.g. "eager" on Qwen2)
+        "experts_implementation": (
+            getattr(model.config, "_experts_implementation", None)
+            if getattr(model.config, "num_experts", 0)
+            else None
+        ),
         "router_aux_loss": trainer.aux_loss_enabled,
         "threads": torch.get_num_threads(),
         "steps": timers.steps,
