@@ -183,6 +183,14 @@ def sft(cfg, model, tokenizer, problems, out: str):
     return model
 
 
+def experts_implementation(config) -> str | None:
+    """transformers' MoE experts kernel of a model config (Qwen3-MoE: "grouped_mm" by default);
+    None for a dense model, whose config carries the attribute too (Qwen2's reads "eager")."""
+    if not getattr(config, "num_experts", 0):
+        return None
+    return getattr(config, "_experts_implementation", None)
+
+
 def assert_no_aux_loss(trainer) -> None:
     """TRL 1.16 adds a MoE model's router load-balancing loss whenever its coefficient is
     non-zero (the config's ``router_aux_loss_coef``, 0.001 for Qwen3-MoE, unless the trainer's
@@ -393,13 +401,7 @@ def main(argv=None) -> int:
         "version": trl.__version__,
         "torch": torch.__version__,
         "model_type": model.config.model_type,
-        # transformers' MoE experts kernel (Qwen3-MoE: "grouped_mm" by default); None if dense
-        # (transformers sets the attribute on dense configs too, e.g. "eager" on Qwen2)
-        "experts_implementation": (
-            getattr(model.config, "_experts_implementation", None)
-            if getattr(model.config, "num_experts", 0)
-            else None
-        ),
+        "experts_implementation": experts_implementation(model.config),
         "router_aux_loss": trainer.aux_loss_enabled,
         "threads": torch.get_num_threads(),
         "steps": timers.steps,

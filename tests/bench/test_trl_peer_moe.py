@@ -1,6 +1,7 @@
 """The TRL peer on a Qwen3-MoE runs without the router's auxiliary loss: TRL 1.16 trains it
 whenever the coefficient is non-zero (the model config's 0.001 unless the trainer's config says
-otherwise), which jaxrlvr's MoE demo does not; ``trl_peer.assert_no_aux_loss`` checks it."""
+otherwise), which jaxrlvr's MoE demo does not; ``trl_peer.assert_no_aux_loss`` checks it. The
+peer's record names an experts kernel for a MoE model only."""
 
 import pytest
 
@@ -45,3 +46,12 @@ def test_aux_loss_is_off_in_the_peers_grpo_trainer(tmp_path):
     with pytest.raises(RuntimeError, match="router aux loss"):
         trl_peer.assert_no_aux_loss(trainer())  # TRL's default: on for a MoE
     trl_peer.assert_no_aux_loss(trainer(router_aux_loss_coef=0.0))  # the peer's setting
+
+
+def test_experts_kernel_is_named_for_a_moe_model_only():
+    pytest.importorskip("transformers")
+    moe = make_torch_model(tie=True, family="qwen3_moe", vocab_size=32)
+    dense = make_torch_model(tie=True, vocab_size=32)
+    assert trl_peer.experts_implementation(moe.config) == "grouped_mm"  # transformers' default
+    assert getattr(dense.config, "_experts_implementation", None) is not None  # what misled it
+    assert trl_peer.experts_implementation(dense.config) is None
