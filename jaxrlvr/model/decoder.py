@@ -579,9 +579,10 @@ def _run_layers(
     each in place.
 
     Returns (x, (k caches, v caches), router): ``router`` is each MoE layer's
-    (expert ids, counts, prob_sum) stacked over layers, None for dense models and under
-    ``grad_acc`` (whose custom scan carries no outputs; ``backbone`` does not take that path
-    when it needs them). ``routes`` [L, B, T, k]: forced experts per layer (routing replay).
+    (expert ids, counts, prob_sum) stacked over layers, None for dense models. ``routes``
+    [L, B, T, k]: forced experts per layer (routing replay); under ``grad_acc`` they are
+    scanned beside the layers and the router statistics come back as the scan's per-layer
+    outputs, so a MoE update accumulates its expert gradients in place too.
 
     Jitted with the static parts (graphdef, config, mesh) as the cache key, so an eager model
     call compiles the layer stack once per shape instead of retracing the scan every call; inside
@@ -613,12 +614,30 @@ def _run_layers(
         if dropout_keys is not None:
             raise ValueError("LoRA dropout is not supported with in-place gradient accumulation")
 
-        def layer_fn(layer_state, h, consts):
+        def layer_fn(layer_state, h, consts, routes_l):
             layer = nnx.merge(graphdef, layer_state)
-            return _decoder_layer(layer, cfg, h, *consts, None, None, cache_index, mesh)[0]
+            cos, sin, mask_bts, valid_bt = consts
+            x, _, _, router = _decoder_layer(
+                layer,
+                cfg,
+                h,
+                cos,
+                sin,
+                mask_bts,
+                None,
+                None,
+                cache_index,
+                mesh,
+                None,
+                valid_bt,
+                routes_l,
+            )
+            return x, router
 
-        x = grad_sink.scan_layers(layer_fn, x, stacked, grad_acc, (cos, sin, mask_bts))
-        return x, (None, None), None
+        x, router = grad_sink.scan_layers(
+            layer_fn, x, stacked, grad_acc, (cos, sin, mask_bts, valid_bt), routes
+        )
+        return x, (None, None), router
     if cfg.remat and k_cache is None:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     if k_cache is None:
@@ -936,16 +955,9 @@ class CausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.model.layers)
         kv_in = (None, None) if cache is None else (cache.k, cache.v)
         # In-place gradient accumulation (``grad_sink``) needs the scanned, rematerialised stack
-        # of a uniform model; its custom scan carries no per-layer inputs or outputs (routes,
-        # router statistics).
-        router_io = cfg.is_moe and (with_router or routes is not None or moe.collecting())
-        fused = (
-            cache is None
-            and cfg.scan_layers
-            and cfg.remat
-            and not router_io
-            and not cfg.mixed_layers
-        )
+        # of a uniform model (dense or all-MoE; its custom scan carries the forced routes in and
+        # the router statistics out).
+        fused = cache is None and cfg.scan_layers and cfg.remat and not cfg.mixed_layers
         grad_acc = grad_sink.claim(stacked) if fused else None
         # LoRA dropout: only inside an update's ``lora.dropout_rng`` block (training forward).
         key = lora.current_dropout_rng()

@@ -31,6 +31,7 @@ inside its ``with`` block.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,46 +81,68 @@ def claim(tree: Any) -> Any | None:
 
 
 def scan_layers(
-    layer_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    layer_fn: Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, Any]],
     x: jax.Array,
     stacked: Any,
     acc: Any,
     consts: Any,
-) -> jax.Array:
-    """``x`` through ``layer_fn(layer_params, x, consts)`` for every layer of ``stacked``
-    (leaves [L, ...]), as ``lax.scan``. Differentiated, the cotangent returned for ``stacked`` is
-    ``acc + d/d stacked`` (``acc`` has ``stacked``'s structure, shapes and dtypes), added layer by
-    layer in place; ``acc`` and ``consts`` (positions, masks) get none."""
+    xs: Any = None,
+) -> tuple[jax.Array, Any]:
+    """``x`` through ``layer_fn(layer_params, x, consts, xs_l) -> (x, out_l)`` for every layer of
+    ``stacked`` (leaves [L, ...]), as ``lax.scan``; returns (x, the ``out_l`` stacked over layers).
+    Differentiated, the cotangent returned for ``stacked`` is ``acc + d/d stacked`` (``acc`` has
+    ``stacked``'s structure, shapes and dtypes), added layer by layer in place; ``acc``,
+    ``consts`` (positions, masks) and ``xs`` (per-layer inputs [L, ...] such as forced expert
+    ids, or None) get none. The per-layer outputs (a MoE layer's router statistics) pass their
+    cotangents back through their layer: float leaves carry one (the router's auxiliary loss),
+    integer leaves (expert ids) none."""
+
+    def body(consts, h, layer):
+        p, x_l = layer
+        return layer_fn(p, h, consts, x_l)
 
     @jax.custom_vjp
-    def run(stacked, acc, x, consts):
+    def run(stacked, acc, x, consts, xs):
         del acc
-        return jax.lax.scan(lambda h, p: (layer_fn(p, h, consts), None), x, stacked)[0]
+        return jax.lax.scan(functools.partial(body, consts), x, (stacked, xs))
 
-    def fwd(stacked, acc, x, consts):
-        def step(h, p):
-            return layer_fn(p, h, consts), h
+    def fwd(stacked, acc, x, consts, xs):
+        def step(h, layer):
+            out, per_layer = body(consts, h, layer)
+            return out, (per_layer, h)
 
-        out, inputs = jax.lax.scan(step, x, stacked)
-        return out, (stacked, acc, inputs, consts)
+        out, (per_layer, inputs) = jax.lax.scan(step, x, (stacked, xs))
+        return (out, per_layer), (stacked, acc, inputs, consts, xs)
 
-    def bwd(res, ct_out):
-        stacked, acc, inputs, consts = res
+    def bwd(res, cts):
+        stacked, acc, inputs, consts, xs = res
+        ct_out, ct_layers = cts
         num = jax.tree.leaves(stacked)[0].shape[0]
+        # Integer outputs (expert ids) come with float0 cotangents: no gradient flows there.
+        ct_float = [c for c in jax.tree.leaves(ct_layers) if c.dtype != jax.dtypes.float0]
 
         def step(carry, i):
             ct_h, acc = carry
-            p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
+            at = functools.partial(jax.lax.dynamic_index_in_dim, index=i, keepdims=False)
+            p, x_l = jax.tree.map(at, (stacked, xs))
             # The barrier keeps XLA from hoisting the layer's float32 cast of its input out of
             # the loop, which would build a float32 copy of all L saved inputs.
-            h = jax.lax.optimization_barrier(
-                jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False)
-            )
-            _, vjp = jax.vjp(lambda p, h: layer_fn(p, h, consts), p, h)
-            ct_p, ct_h = vjp(ct_h)
+            h = jax.lax.optimization_barrier(at(inputs))
+
+            def differentiable(p, h):
+                out, per_layer = layer_fn(p, h, consts, x_l)
+                floats = [
+                    o
+                    for o in jax.tree.leaves(per_layer)
+                    if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)
+                ]
+                return out, floats
+
+            _, vjp = jax.vjp(differentiable, p, h)
+            ct_p, ct_h = vjp((ct_h, [at(c) for c in ct_float]))
             acc = jax.tree.map(
                 lambda a, g: jax.lax.dynamic_update_index_in_dim(
-                    a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + g.astype(a.dtype), i, 0
+                    a, at(a) + g.astype(a.dtype), i, 0
                 ),
                 acc,
                 ct_p,
@@ -127,10 +150,11 @@ def scan_layers(
             return (ct_h, acc), None
 
         (ct_x, acc), _ = jax.lax.scan(step, (ct_out, acc), jax.numpy.arange(num), reverse=True)
-        return acc, None, ct_x, jax.tree.map(lambda _: None, consts)
+        none = jax.tree.map(lambda _: None, (consts, xs))
+        return acc, None, ct_x, *none
 
     run.defvjp(fwd, bwd)
-    return run(stacked, acc, x, consts)
+    return run(stacked, acc, x, consts, xs)
 
 
 def map_chunks(
