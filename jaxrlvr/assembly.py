@@ -239,6 +239,7 @@ def restore_policy(
                 lm_head_dtype=m.lm_head_dtype,
                 remat=m.remat,
                 scan_layers=m.scan_layers,
+                attention_query_chunk=m.attention_query_chunk,
                 lora=m.lora,
             )
         else:

@@ -54,6 +54,7 @@ def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig
         lm_head_dtype=m.lm_head_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
+        attention_query_chunk=m.attention_query_chunk,
         lora=m.lora,
         router_aux_loss=m.router_aux_loss,
     )
@@ -98,6 +99,7 @@ def build_model(
             mesh=mesh,
             remat=m.remat,
             scan_layers=m.scan_layers,
+            attention_query_chunk=m.attention_query_chunk,
             lora=m.lora,
             lora_seed=seed,
             router_aux_loss=m.router_aux_loss,

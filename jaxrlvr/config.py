@@ -70,6 +70,9 @@ class ModelSection:
     lm_head_dtype: str | None = None
     remat: bool = False
     scan_layers: bool = True
+    # Attention over blocks of this many query positions, one at a time (memory-efficient
+    # attention for long rows, ``model.ModelConfig.attention_query_chunk``); null: all at once.
+    attention_query_chunk: int | None = None
     # Low-rank adapters (``model.lora.LoRAConfig``: rank, alpha, dropout, targets, use_rslora):
     # every phase then trains only the adapters of a frozen base (docs/lora.md); null: full.
     lora: LoRAConfig | None = None

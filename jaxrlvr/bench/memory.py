@@ -35,6 +35,9 @@ MoE's CPU temporaries overstate a TPU's; ``--moe-impl sorted_blocks`` (gathered 
 block of rows) is the kernel GPUs and CPUs run (measured on an H200: docs/gpu/README.md).
 Every record carries the floor: float32 weights + two AdamW moments + one gradient accumulator,
 16 bytes a parameter, divided by the devices (``floor`` in bytes, ``total / floor`` printed).
+``--attention-chunk N`` runs attention over blocks of N query positions
+(``model.attention_query_chunk``: one block's float32 scores live at a time, in place of every
+layer's [heads, T, T]).
 ``--tiny`` compiles a ~0.1M-parameter model at a small shape in seconds (the smoke test).
 
 Usage: ``jaxrlvr bench memory [--fsdp 1,8] [--chunk off,on] [--packing off] [--json PATH]``.
@@ -121,6 +124,7 @@ class Case:
     model: str = "qwen2.5-math-1.5b"
     moe_impl: str = "ragged_dot"
     expert: int = 1  # the mesh's expert axis (of the ``fsdp`` devices; the rest is fsdp)
+    attention_chunk: int | None = None  # ``model.attention_query_chunk``
 
     @property
     def rows_per_microbatch(self) -> int:
@@ -178,6 +182,7 @@ def measure(case: Case) -> dict:
     from jaxrlvr.algos import step
 
     overrides = model_overrides(case.lora, case.lora_rank)
+    overrides["attention_query_chunk"] = case.attention_chunk
     cfg = (
         tiny_model(**overrides) if case.tiny else real_model(case.model, case.moe_impl, **overrides)
     )
@@ -320,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         "with --moe-impl sorted_blocks: the ring dispatch, the one XLA:CPU compiles)",
     )
     p.add_argument(
+        "--attention-chunk",
+        type=int,
+        default=None,
+        help="attention over blocks of this many query positions "
+        "(model.attention_query_chunk; default: all at once)",
+    )
+    p.add_argument(
         "--model", default=MODELS[0], help=f"comma list of architectures: {', '.join(MODELS)}"
     )
     args = p.parse_args(argv)
@@ -337,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     for model, fsdp in [(m, n) for m in models for n in sizes]:
         if not args.tiny:
             ep = f" (expert={args.expert} x fsdp={fsdp // args.expert})" if args.expert > 1 else ""
+            if args.attention_chunk:
+                ep += f", attention in blocks of {args.attention_chunk} queries"
             print(f"-- {model}, {fsdp} devices{ep}", flush=True)
         for chunk in _flags(args.chunk, "--chunk", p):
             for packing in _flags(args.packing, "--packing", p):
@@ -354,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                         model=model,
                         moe_impl=args.moe_impl,
                         expert=args.expert,
+                        attention_chunk=args.attention_chunk,
                     )
                     record = run_case(case, args.timeout)
                     record["case"]["microbatches"] = case.microbatches

@@ -111,6 +111,13 @@ class ModelConfig:
     CPU, at ~1.5x the compile time (MaxText's ``scan_layers`` makes the same trade). Calls with a
     KV cache always scan. Neither choice changes parameters, checkpoints or results.
 
+    ``attention_query_chunk``: in cache-free calls (training forwards, log-prob passes) longer
+    than this many positions, attention runs over blocks of that many queries one at a time,
+    rematerialised, so that one block's float32 scores [B, heads, block, T] exist instead of the
+    whole [B, heads, T, T] (memory-efficient attention, the same function; what flash attention
+    buys on accelerators, in portable XLA). None: all queries at once (the fastest at short T).
+    Not part of config.json.
+
     ``lora``: low-rank adapters on the projections (``model.lora.LoRAConfig``): the model then
     carries float32 ``LoRAParam`` leaves beside the kernels and only they are trained; None: a
     plain model. Not part of config.json (adapters are saved in PEFT's layout, ``model.peft``).
@@ -152,6 +159,7 @@ class ModelConfig:
     lm_head_dtype: DType | None = None
     remat: bool = False
     scan_layers: bool = True
+    attention_query_chunk: int | None = None
     lora: LoRAConfig | None = None
     hf_config: Mapping[str, Any] | None = dataclasses.field(
         default=None, compare=False, repr=False, hash=False
@@ -176,6 +184,11 @@ class ModelConfig:
         ):
             if int(getattr(self, key)) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r}: must be a positive integer")
+        chunk = self.attention_query_chunk
+        if chunk is not None and (isinstance(chunk, bool) or int(chunk) != chunk or chunk <= 0):
+            raise ConfigError(
+                f"model.attention_query_chunk={chunk!r}: must be a positive integer or null"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "

@@ -320,9 +320,15 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def grouped_attention(q, k, v, mask_bts, *, cache_layout: bool = False) -> jax.Array:
+def grouped_attention(
+    q, k, v, mask_bts, *, cache_layout: bool = False, query_chunk: int | None = None
+) -> jax.Array:
     """Grouped-query attention. q [B,T,N,H], mask [B,T,S] (True = attend); k/v [B,S,K,H], or
     with ``cache_layout`` the cache's k [B,K,H,S] / v [B,K,S,H].
+
+    ``query_chunk`` (cache-free calls with T above it): the queries in blocks of that many
+    positions, one block at a time (``_attention_by_query_blocks``), so only one block's scores
+    exist, in the forward and, recomputed, in the backward; the same function.
 
     Scores and softmax are float32 whatever the compute dtype; the probabilities are cast to the
     value dtype before the product with the values, in every form. One query per row (decode)
@@ -331,6 +337,8 @@ def grouped_attention(q, k, v, mask_bts, *, cache_layout: bool = False) -> jax.A
     in float32 (as XLA:CPU's bf16 dot does) and rounded once.
     """
     b, t, n, h = q.shape
+    if query_chunk is not None and not cache_layout and t > query_chunk:
+        return _attention_by_query_blocks(q, k, v, mask_bts, query_chunk)
     kv = k.shape[1] if cache_layout else k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
     f32 = jnp.float32
@@ -356,6 +364,31 @@ def grouped_attention(q, k, v, mask_bts, *, cache_layout: bool = False) -> jax.A
     else:
         out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(f32), v.astype(f32)).astype(v.dtype)
     return out.reshape(b, t, n, h)
+
+
+def _attention_by_query_blocks(q, k, v, mask_bts, block: int) -> jax.Array:
+    """``grouped_attention`` (cache-free) over blocks of ``block`` query positions, run one after
+    the other (``lax.map``) and rematerialised (``jax.checkpoint``): the [B, K, G, block, S]
+    float32 scores and probabilities of one block exist at a time instead of [B, K, G, T, S], in
+    the forward and in the backward, which recomputes them. Each query's softmax still runs
+    over all S keys, so every output row is the unblocked one's; the price is the scores'
+    recomputation. T is padded to whole blocks with queries that attend to nothing (their
+    uniform softmax is sliced off)."""
+    b, t, n, h = q.shape
+    num = -(-t // block)
+    pad = num * block - t
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mask = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0)))
+    q_blocks = q.reshape(b, num, block, n, h).swapaxes(0, 1)
+    mask_blocks = mask.reshape(b, num, block, mask.shape[-1]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        q_b, mask_b = args
+        return grouped_attention(q_b, k, v, mask_b)
+
+    out = jax.lax.map(one, (q_blocks, mask_blocks))
+    return out.swapaxes(0, 1).reshape(b, num * block, n, h)[:, :t]
 
 
 def dense(y: jax.Array, kernel: jax.Array, num_in: int, preferred_element_type=None) -> jax.Array:
@@ -477,7 +510,14 @@ def _decoder_layer(
         k_cache = sharding.constrain(k_cache, CACHE_K_AXES, mesh)
         v_cache = sharding.constrain(v_cache, CACHE_V_AXES, mesh)
         k, v = k_cache.astype(dtype), v_cache.astype(dtype)
-    out = grouped_attention(q, k, v, mask_bts, cache_layout=k_cache is not None)
+    out = grouped_attention(
+        q,
+        k,
+        v,
+        mask_bts,
+        cache_layout=k_cache is not None,
+        query_chunk=cfg.attention_query_chunk,
+    )
     x = x + proj(attn.o_proj, out, 3)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
 

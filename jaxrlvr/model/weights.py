@@ -423,6 +423,7 @@ def load_hf(
     mesh=None,
     remat: bool = False,
     scan_layers: bool = True,
+    attention_query_chunk: int | None = None,
     lora: LoRAConfig | None = None,
     lora_seed: int = 0,
     router_aux_loss: bool = False,
@@ -436,6 +437,8 @@ def load_hf(
       param_dtype: storage dtype of the parameters (the same choices).
       mesh: a ('data', 'fsdp', 'tensor') mesh; parameters are placed with their rule-derived
         shardings, each device receiving only its shard. None: the default device.
+      attention_query_chunk: attention over blocks of this many queries
+        (``ModelConfig.attention_query_chunk``); None: all at once.
       router_aux_loss: MoE only, add the load-balancing loss to updates
         (``ModelConfig.router_aux_loss``).
       lora: add fresh low-rank adapters (``model.lora``; A random from ``lora_seed``, B zero, so
@@ -461,6 +464,7 @@ def load_hf(
             param_dtype=param_dtype,
             remat=remat,
             scan_layers=scan_layers,
+            attention_query_chunk=attention_query_chunk,
             lora=lora,
             router_aux_loss=router_aux_loss,
         )
