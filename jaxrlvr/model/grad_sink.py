@@ -106,10 +106,22 @@ def scan_layers(
         del acc
         return jax.lax.scan(functools.partial(body, consts), x, (stacked, xs))
 
+    # The layer inputs saved for the backward pass are stored as their bits when 2-byte
+    # floats: XLA:CPU runs no bfloat16 dynamic-slice, so it widened the whole saved stack to
+    # float32 outside the backward loop (1.5x its size), where integer slices are taken as they
+    # are. A bitcast costs nothing on any backend and the values are unchanged.
+    bits = jax.numpy.uint16 if x.dtype.itemsize == 2 else None
+
+    def save(h):
+        return h if bits is None else jax.lax.bitcast_convert_type(h, bits)
+
+    def load(h):
+        return h if bits is None else jax.lax.bitcast_convert_type(h, x.dtype)
+
     def fwd(stacked, acc, x, consts, xs):
         def step(h, layer):
             out, per_layer = body(consts, h, layer)
-            return out, (per_layer, h)
+            return out, (per_layer, save(h))
 
         out, (per_layer, inputs) = jax.lax.scan(step, x, (stacked, xs))
         return (out, per_layer), (stacked, acc, inputs, consts, xs)
@@ -127,7 +139,7 @@ def scan_layers(
             p, x_l = jax.tree.map(at, (stacked, xs))
             # The barrier keeps XLA from hoisting the layer's float32 cast of its input out of
             # the loop, which would build a float32 copy of all L saved inputs.
-            h = jax.lax.optimization_barrier(at(inputs))
+            h = jax.lax.optimization_barrier(load(at(inputs)))
 
             def differentiable(p, h):
                 out, per_layer = layer_fn(p, h, consts, x_l)

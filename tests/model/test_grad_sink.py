@@ -244,3 +244,24 @@ def test_moe_update_accumulates_in_place_with_routes_and_router_terms(monkeypatc
         np.testing.assert_allclose(
             np.asarray(fused_metrics[k]), np.asarray(plain_metrics[k]), rtol=2e-6, atol=2e-6
         )
+
+
+def test_bf16_saved_layer_inputs_are_not_widened_to_float32():
+    """The in-place scan saves each layer's bfloat16 input for the backward pass; XLA:CPU, which
+    runs no bfloat16 dynamic-slice, used to widen that whole saved stack [L, B, T, D] to float32
+    outside the backward loop. Stored as bits, the optimized program holds it once, as u16."""
+    cfg = M.ModelConfig.tiny(
+        hidden_size=96, num_hidden_layers=3, dtype="bfloat16", remat=True, scan_layers=True
+    )
+    graphdef, params = nnx.split(M.init_model(cfg, seed=0), nnx.Param)
+    loss = _loss(graphdef)
+    batch = jax.tree.map(lambda x: jnp.stack([x, x]), _batch())
+    hlo = (
+        jax.jit(lambda p, m: engine.accumulate_gradients(loss, p, m))
+        .lower(params, batch)
+        .compile()
+        .as_text()
+    )
+    saved = f"[3,{B},{T},96]"
+    assert f"u16{saved}" in hlo
+    assert f"f32{saved}" not in hlo
