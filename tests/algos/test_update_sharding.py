@@ -37,8 +37,8 @@ def _batches(n):
     return out
 
 
-def _run(mesh, batches, logprob_chunk_size=None, remat=False):
-    cfg = M.ModelConfig.tiny(remat=remat)
+def _run(mesh, batches, logprob_chunk_size=None, remat=False, attention_query_chunk=None):
+    cfg = M.ModelConfig.tiny(remat=remat, attention_query_chunk=attention_query_chunk)
     lm = M.init_model(cfg, seed=0, mesh=mesh)
     graphdef, params = nnx.split(lm, nnx.Param)
     # Adam's eps = 1e-4 instead of 1e-8: an update is lr * g / (|g| + eps), whose sensitivity to
@@ -138,10 +138,12 @@ def test_chunked_vocab_parallel_grpo_sharded_equals_single_device_unchunked():
     """Chunked log-probs on the 8-device mesh run the vocabulary-parallel head (rows and
     vocabulary over data x fsdp); the parameters after two steps match the unchunked update on
     one device as closely as the plain sharded update does. The sharded run has remat on, so its
-    layer and head gradients accumulate in place (``model.grad_sink``) on sharded accumulators."""
+    layer and head gradients accumulate in place (``model.grad_sink``) on sharded accumulators,
+    and runs attention over blocks of 6 queries (``model.attention_query_chunk``; heads split
+    over tensor), against one device's attention over all 16 at once."""
     batches = _batches(2)
     one, _ = _run(M.make_mesh(M.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]), batches)
     mesh8 = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
-    eight, _ = _run(mesh8, batches, logprob_chunk_size=5, remat=True)
+    eight, _ = _run(mesh8, batches, logprob_chunk_size=5, remat=True, attention_query_chunk=6)
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
