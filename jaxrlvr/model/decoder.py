@@ -501,12 +501,8 @@ def _decoder_layer(
     q = sharding.constrain(q, ("batch", "seq", "heads", "head_dim"), mesh)
     if k_cache is not None:
         # The T new keys / values go to slots [cache_index, cache_index + T) (``KVCache``).
-        k_cache = jax.lax.dynamic_update_slice_in_dim(
-            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), cache_index, axis=3
-        )
-        v_cache = jax.lax.dynamic_update_slice_in_dim(
-            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), cache_index, axis=2
-        )
+        k_cache = _write_slots(k_cache, k.transpose(0, 2, 3, 1), cache_index, axis=3)
+        v_cache = _write_slots(v_cache, v.transpose(0, 2, 1, 3), cache_index, axis=2)
         k_cache = sharding.constrain(k_cache, CACHE_K_AXES, mesh)
         v_cache = sharding.constrain(v_cache, CACHE_V_AXES, mesh)
         k, v = k_cache.astype(dtype), v_cache.astype(dtype)
@@ -538,6 +534,26 @@ def _decoder_layer(
     x = x + proj(mlp.down_proj, act, 6)
     x = sharding.constrain(x, ("batch", "seq", "embed"), mesh)
     return x, k_cache, v_cache, None
+
+
+def _write_slots(cache: jax.Array, new: jax.Array, index, *, axis: int) -> jax.Array:
+    """``cache`` with ``new`` written at [index, index + len) along ``axis``, in place.
+
+    A 2-byte float cache is written as its bits (uint16): XLA:CPU runs no bfloat16
+    dynamic-update-slice, so it converted the whole cache to float32 and back at every write,
+    a full copy of every layer's cache per decode step. The bitcasts are free and the stored
+    values the same."""
+    new = new.astype(cache.dtype)
+    if cache.dtype.itemsize != 2:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=axis)
+    bits = jnp.uint16
+    out = jax.lax.dynamic_update_slice_in_dim(
+        jax.lax.bitcast_convert_type(cache, bits),
+        jax.lax.bitcast_convert_type(new, bits),
+        index,
+        axis=axis,
+    )
+    return jax.lax.bitcast_convert_type(out, cache.dtype)
 
 
 def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, mesh=None):

@@ -131,3 +131,26 @@ def test_unrolled_layers_cache_equals_full_forward(hf_untied):
     full = helpers.forward(lm, ids, full_mask, positions)
     real = full_mask.astype(bool)
     np.testing.assert_allclose(stepped[real], full[real], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_cache_is_written_in_place_as_bits(hf_untied):
+    """A bfloat16 cache is written as its bits: XLA:CPU runs no bfloat16 dynamic-update-slice
+    and used to convert every layer's whole cache to float32 and back at each decode step. The
+    compiled step writes uint16 slots and no float32 cache, and the slots written hold the new
+    keys and values exactly (the float32 cache's values, rounded once to bfloat16)."""
+    lm16 = M.load_hf(hf_untied.path, dtype="bfloat16")
+    graphdef, params = nnx.split(lm16)
+    cache = M.init_cache(lm16.config, 2, SLOTS)
+    ids = jnp.asarray(helpers.random_ids(2, 1, seed=35))
+    valid = jnp.zeros((2, SLOTS), bool).at[:, :4].set(True)
+    args = (graphdef, params, cache, ids, valid, jnp.full((2, 1), 3), jnp.int32(3))
+    hlo = _step.lower(*args).compile().as_text()
+    writes = [line for line in hlo.splitlines() if "dynamic-update-slice(" in line]
+    assert writes and all("= u16[" in line for line in writes), writes
+    _, new = _step(*args)
+    cache32 = M.init_cache(lm16.config, 2, SLOTS, dtype=jnp.float32)  # same step, float32 slots
+    _, ref = _step(graphdef, params, cache32, *args[3:])
+    for got, want in zip(new.k + new.v, ref.k + ref.v, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32)
+        )
