@@ -240,6 +240,7 @@ def restore_policy(
                 remat=m.remat,
                 scan_layers=m.scan_layers,
                 attention_query_chunk=m.attention_query_chunk,
+                moe_impl=m.moe_impl,
                 lora=m.lora,
             )
         else:

@@ -55,6 +55,7 @@ def model_config(m: config_lib.ModelSection, tokenizer) -> model_lib.ModelConfig
         remat=m.remat,
         scan_layers=m.scan_layers,
         attention_query_chunk=m.attention_query_chunk,
+        moe_impl=m.moe_impl,
         lora=m.lora,
         router_aux_loss=m.router_aux_loss,
     )
@@ -100,6 +101,7 @@ def build_model(
             remat=m.remat,
             scan_layers=m.scan_layers,
             attention_query_chunk=m.attention_query_chunk,
+            moe_impl=m.moe_impl,
             lora=m.lora,
             lora_seed=seed,
             router_aux_loss=m.router_aux_loss,

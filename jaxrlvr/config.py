@@ -26,7 +26,7 @@ from jaxrlvr.data.scratchpad import ScratchpadConfig
 from jaxrlvr.data.synthetic import SyntheticConfig
 from jaxrlvr.data.synthetic_code import SyntheticCodeConfig
 from jaxrlvr.distributed import DistributedConfig
-from jaxrlvr.model.config import dtype_name
+from jaxrlvr.model.config import MoEImpl, dtype_name
 from jaxrlvr.model.lora import LoRAConfig
 from jaxrlvr.model.sharding import MeshConfig
 from jaxrlvr.rewards.code import CodeRewardConfig
@@ -73,6 +73,9 @@ class ModelSection:
     # Attention over blocks of this many query positions, one at a time (memory-efficient
     # attention for long rows, ``model.ModelConfig.attention_query_chunk``); null: all at once.
     attention_query_chunk: int | None = None
+    # The MoE block's kernel (``model.ModelConfig.moe_impl``: auto, block_loop, sorted_blocks,
+    # dense, ragged_dot); auto picks by backend, and on the CPU by shape (docs/moe.md).
+    moe_impl: MoEImpl = "auto"
     # Low-rank adapters (``model.lora.LoRAConfig``: rank, alpha, dropout, targets, use_rslora):
     # every phase then trains only the adapters of a frozen base (docs/lora.md); null: full.
     lora: LoRAConfig | None = None

@@ -75,6 +75,7 @@ def test_dotted_overrides():
             "rl.ppo.trunk='tied': expected one of ['shared', 'detached', 'separate']",
         ),
         ("rl.group_size=1", "group_size=1"),
+        ("model.moe_impl=grouped", "model.moe_impl='grouped': expected one of ['auto'"),
         ("nonsense", "expected key=value"),
     ],
 )

@@ -46,7 +46,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
 _SUPPORTED_ROPE_TYPES = ("default",)
 ModelType = Literal["qwen2", "qwen3", "qwen3_moe"]
 # The MoE block's grouped-matmul kernel (``model.moe``).
-MoEImpl = Literal["auto", "sorted_blocks", "dense", "ragged_dot"]
+MoEImpl = Literal["auto", "block_loop", "sorted_blocks", "dense", "ragged_dot"]
 MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
@@ -198,6 +198,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.moe_impl not in get_args(MoEImpl):
+            raise ConfigError(
+                f"model.moe_impl={self.moe_impl!r}: expected one of {', '.join(get_args(MoEImpl))}"
             )
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrlvr.model import expert_parallel, grad_sink, lora, moe, sharding
+from jaxrlvr.model import bits, expert_parallel, grad_sink, lora, moe, sharding
 from jaxrlvr.model.config import ModelConfig
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -539,21 +539,10 @@ def _decoder_layer(
 def _write_slots(cache: jax.Array, new: jax.Array, index, *, axis: int) -> jax.Array:
     """``cache`` with ``new`` written at [index, index + len) along ``axis``, in place.
 
-    A 2-byte float cache is written as its bits (uint16): XLA:CPU runs no bfloat16
-    dynamic-update-slice, so it converted the whole cache to float32 and back at every write,
-    a full copy of every layer's cache per decode step. The bitcasts are free and the stored
-    values the same."""
-    new = new.astype(cache.dtype)
-    if cache.dtype.itemsize != 2:
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=axis)
-    bits = jnp.uint16
-    out = jax.lax.dynamic_update_slice_in_dim(
-        jax.lax.bitcast_convert_type(cache, bits),
-        jax.lax.bitcast_convert_type(new, bits),
-        index,
-        axis=axis,
-    )
-    return jax.lax.bitcast_convert_type(out, cache.dtype)
+    A 2-byte float cache is written as its bits (``bits.write_slice``): XLA:CPU runs no
+    bfloat16 dynamic-update-slice, so it converted the whole cache to float32 and back at every
+    write, a full copy of every layer's cache per decode step."""
+    return bits.write_slice(cache, new, index, axis=axis)
 
 
 def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, mesh=None):

@@ -88,7 +88,7 @@ def check(model_cfg, mesh_expert: int, backend: str | None = None) -> None:
         raise ValueError(
             f"mesh.expert={mesh_expert} with model.moe_impl={model_cfg.moe_impl}: its "
             "ragged_all_to_all dispatch does not compile on XLA:CPU (jax-ml/jax#34755); use "
-            "moe_impl auto or sorted_blocks (the ring dispatch)"
+            "moe_impl auto, block_loop or sorted_blocks (the ring dispatch)"
         )
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import jax
 
+from jaxrlvr.model import bits
+
 _state = threading.local()
 
 
@@ -107,16 +109,13 @@ def scan_layers(
         return jax.lax.scan(functools.partial(body, consts), x, (stacked, xs))
 
     # The layer inputs saved for the backward pass are stored as their bits when 2-byte
-    # floats: XLA:CPU runs no bfloat16 dynamic-slice, so it widened the whole saved stack to
-    # float32 outside the backward loop (1.5x its size), where integer slices are taken as they
-    # are. A bitcast costs nothing on any backend and the values are unchanged.
-    bits = jax.numpy.uint16 if x.dtype.itemsize == 2 else None
-
-    def save(h):
-        return h if bits is None else jax.lax.bitcast_convert_type(h, bits)
+    # floats (``bits``): XLA:CPU runs no bfloat16 dynamic-slice, so it widened the whole saved
+    # stack to float32 outside the backward loop (1.5x its size), where integer slices are
+    # taken as they are.
+    save = bits.as_bits
 
     def load(h):
-        return h if bits is None else jax.lax.bitcast_convert_type(h, x.dtype)
+        return bits.from_bits(h, x.dtype)
 
     def fwd(stacked, acc, x, consts, xs):
         def step(h, layer):

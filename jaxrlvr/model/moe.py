@@ -69,6 +69,7 @@ the router (both stay frozen under LoRA; adapters go on attention and dense MLPs
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -77,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxrlvr.model import bits
 from jaxrlvr.model.config import MoEImpl
 
 
@@ -114,7 +116,7 @@ def resolve_impl(impl: MoEImpl, num_tokens: int = 0, num_experts: int = 0, k: in
         if backend == "gpu":  # measured on an H200 (module docstring)
             return "sorted_blocks"
         small = num_experts <= 2 * k and num_tokens <= DENSE_MAX_TOKENS
-        return "dense" if small else "sorted_blocks"
+        return "dense" if small else "block_loop"
     return impl
 
 
@@ -143,14 +145,20 @@ def select_experts(
     return ids, weights
 
 
-def _block_size(num_slots: int, num_experts: int) -> int:
-    """Rows per block of ``sorted_blocks``: the mean group size rounded up to a power of two,
-    within [8, 128] (small for decode's few rows, large enough for fast matmuls otherwise)."""
+def _block_size(num_slots: int, num_experts: int, max_rows: int = 128) -> int:
+    """Rows per block: the mean group size rounded up to a power of two, within [8, max_rows]
+    (small for decode's few rows, large enough for fast matmuls otherwise)."""
     mean = -(-num_slots // num_experts)
     b = 8
-    while b < mean and b < 128:
+    while b < mean and b < max_rows:
         b *= 2
     return b
+
+
+# ``block_loop``'s largest block: at the MoE demo's update shape (2,016 tokens, 8 experts
+# top-2, mean 504 rows per expert) blocks of 256 rows ran the block's forward + backward in
+# 24-26 ms against 30 at 128 (docs/moe.md); more padding beyond that.
+LOOP_MAX_BLOCK = 256
 
 
 def _swiglu(x, gate, up):
@@ -190,32 +198,171 @@ def grouped_experts(
         out = out * weights_nk.reshape(s)[order][:, None].astype(out.dtype)
         unsorted = jnp.zeros((s, d), out.dtype).at[order].set(out)
         return jnp.sum(unsorted.reshape(n, k, d), axis=1)
-    if impl != "sorted_blocks":
-        raise ValueError(f"moe impl={impl!r}: expected auto, sorted_blocks, dense or ragged_dot")
-    sorted_e = flat[order]
-    b = _block_size(s, e)
-    padded = (group_sizes + b - 1) // b * b
+    if impl not in ("sorted_blocks", "block_loop"):
+        raise ValueError(
+            f"moe impl={impl!r}: expected auto, block_loop, sorted_blocks, dense or ragged_dot"
+        )
+    loop = impl == "block_loop"
+    b = _block_size(s, e, max_rows=LOOP_MAX_BLOCK if loop else 128)
+    layout = _padded_layout(flat, order, group_sizes, b, k)
+    xp = _take_rows(x_nd, layout.token, layout.pos_nk)  # [P, D]
+    if loop:
+        gate_up = jnp.concatenate([gate_edf, up_edf], axis=-1)
+        xp, gate_up, down = _vary_alike(xp, gate_up, down_efd)
+        out = _expert_loop(xp, gate_up, down, layout.block_e, layout.used, b)
+    else:
+        xb = xp.reshape(-1, b, d)
+        g = jnp.einsum("nbd,ndf->nbf", xb, gate_edf[layout.block_e])
+        u = jnp.einsum("nbd,ndf->nbf", xb, up_edf[layout.block_e])
+        out = jnp.einsum("nbf,nfd->nbd", _swiglu(xb, g, u), down_efd[layout.block_e])
+        out = out.reshape(-1, d)
+    out_nkd = _take_rows(out, layout.pos_nk.reshape(s), layout.src[:, None]).reshape(n, k, d)
+    return jnp.sum(out_nkd * weights_nk[:, :, None].astype(out.dtype), axis=1)
+
+
+@struct.dataclass
+class _Layout:
+    """The padded expert order of ``sorted_blocks`` and ``block_loop``: the N x k slots sorted
+    by expert, each expert's rows padded to whole blocks of b rows (P rows in all).
+
+    pos_nk: [N, k] the padded row of each (token, slot); src: [P] the slot each padded row
+    holds (N x k: padding); token: [P] its token (N: padding, read as a zero row); block_e:
+    [P / b] each block's expert (E - 1 for the all-padding blocks past the last group); used:
+    [] the number of blocks that hold any slot (they come first)."""
+
+    pos_nk: jax.Array
+    src: jax.Array
+    token: jax.Array
+    block_e: jax.Array
+    used: jax.Array
+
+
+def _padded_layout(flat_s, order_s, group_sizes_e, b: int, k: int) -> _Layout:
+    """The layout of ``_Layout`` from the flat expert ids [N x k], their stable sort by expert
+    and the group sizes: int32 bookkeeping only, no float data moved."""
+    s = flat_s.shape[0]
+    e = group_sizes_e.shape[0]
+    sorted_e = flat_s[order_s]
+    padded = (group_sizes_e + b - 1) // b * b
     padded_end = jnp.cumsum(padded)
-    start = jnp.cumsum(group_sizes) - group_sizes
+    start = jnp.cumsum(group_sizes_e) - group_sizes_e
     # Each sorted row's place in the padded layout (its expert's padded start + its rank).
     dest = (padded_end - padded)[sorted_e] + jnp.arange(s, dtype=jnp.int32) - start[sorted_e]
     num_blocks = -(-(s + e * (b - 1)) // b)
     p = num_blocks * b
-    # The two index maps of the layout (int32 bookkeeping, no float data moved): pos [N, k], the
-    # padded row of each (token, slot); src [P], the slot each padded row holds (s: padding).
-    pos_nk = jnp.zeros((s,), jnp.int32).at[order].set(dest).reshape(n, k)
-    src_p = jnp.full((p,), s, jnp.int32).at[dest].set(order.astype(jnp.int32))
-    tok_p = jnp.where(src_p < s, src_p // k, n)
-    xb = _take_rows(x_nd, tok_p, pos_nk).reshape(num_blocks, b, d)
+    pos = jnp.zeros((s,), jnp.int32).at[order_s].set(dest)
+    src = jnp.full((p,), s, jnp.int32).at[dest].set(order_s.astype(jnp.int32))
     # A block's expert: the first expert whose padded range ends after the block's start
     # (blocks past the last group are all padding; they read expert E-1 and are dropped).
     block_e = jnp.searchsorted(padded_end, jnp.arange(num_blocks) * b, side="right")
-    block_e = jnp.minimum(block_e, e - 1)
-    g = jnp.einsum("nbd,ndf->nbf", xb, gate_edf[block_e])
-    u = jnp.einsum("nbd,ndf->nbf", xb, up_edf[block_e])
-    out = jnp.einsum("nbf,nfd->nbd", _swiglu(xb, g, u), down_efd[block_e]).reshape(p, d)
-    out_nkd = _take_rows(out, pos_nk.reshape(s), src_p[:, None]).reshape(n, k, d)
-    return jnp.sum(out_nkd * weights_nk[:, :, None].astype(out.dtype), axis=1)
+    return _Layout(
+        pos_nk=pos.reshape(s // k, k),
+        src=src,
+        token=jnp.where(src < s, src // k, s // k),
+        block_e=jnp.minimum(block_e, e - 1).astype(jnp.int32),
+        used=(padded_end[-1] // b).astype(jnp.int32),
+    )
+
+
+def _zeros(shape, dtype, *refs: jax.Array) -> jax.Array:
+    """Zeros of ``shape`` that vary over every manual mesh axis any of ``refs`` varies over
+    (``zeros_like`` carries its example's): inside ``shard_map`` a loop's initial carry must
+    match the axes its body's values vary over. XLA folds the sum of zeros away."""
+    return sum(jnp.zeros_like(r, dtype=dtype, shape=shape) for r in refs)
+
+
+def _vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Each array made to vary over every manual mesh axis any of them varies over (adding
+    zeros). Inside ``shard_map`` rows split over ``data`` meet replicated kernels: autodiff
+    then sums the kernels' gradient over ``data`` (the transpose of this broadcast), where a
+    custom VJP could not return a per-shard gradient for a replicated input."""
+    return tuple(a + _zeros(a.shape, a.dtype, *arrays) for a in arrays)
+
+
+def _expert_loop_fwd_pass(x_pd, gate_up, down, block_e, used, b):
+    """The blocks' SwiGLU one block at a time: (out [P, D], the gate|up activations [P, 2F])
+    in the compute dtype, both kept as bits (``bits``) inside the loop."""
+    dtype = x_pd.dtype
+    f = gate_up.shape[-1] // 2
+    x_store = bits.as_bits(x_pd)
+
+    def body(i, carry):
+        out, h_all = carry
+        e = block_e[i]
+        xb = bits.from_bits(jax.lax.dynamic_slice_in_dim(x_store, i * b, b), dtype)
+        h = xb @ gate_up[e]  # [b, 2F]
+        y = _swiglu(xb, h[:, :f], h[:, f:]) @ down[e]
+        out = jax.lax.dynamic_update_slice_in_dim(out, bits.as_bits(y), i * b, 0)
+        h_all = jax.lax.dynamic_update_slice_in_dim(h_all, bits.as_bits(h), i * b, 0)
+        return out, h_all
+
+    p, d = x_pd.shape
+    zeros = lambda shape: _zeros(shape, dtype, x_pd, gate_up, down)  # noqa: E731
+    init = (bits.as_bits(zeros((p, d))), bits.as_bits(zeros((p, 2 * f))))
+    out, h_all = jax.lax.fori_loop(0, used, body, init)
+    return bits.from_bits(out, dtype), h_all
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _expert_loop(x_pd, gate_up, down, block_e, used, b: int) -> jax.Array:
+    """``block_loop``: block i of the padded rows x [P, D] through expert block_e[i]'s SwiGLU
+    (gate|up [E, D, 2F], down [E, F, D]) -> [P, D], for the ``used`` blocks that hold rows
+    (the rest stay zero), one block per loop step with the expert's kernels as they are.
+
+    Against ``sorted_blocks``' batched matmul over per-block weight copies: no weight copies,
+    and plain 2-D matmuls, which XLA:CPU runs faster than small batched ones; the padding
+    blocks past the last group are skipped. The backward is a second loop (``while`` loops with
+    a data-dependent count have no autodiff): per block the input rows' gradient and the
+    expert's three kernels' gradients, accumulated in float32 per expert."""
+    return _expert_loop_fwd_pass(x_pd, gate_up, down, block_e, used, b)[0]
+
+
+def _expert_loop_fwd(x_pd, gate_up, down, block_e, used, b):
+    out, h_all = _expert_loop_fwd_pass(x_pd, gate_up, down, block_e, used, b)
+    return out, (x_pd, gate_up, down, block_e, used, h_all)
+
+
+def _expert_loop_bwd(b, res, ct_pd):
+    x_pd, gate_up, down, block_e, used, h_all = res
+    dtype = x_pd.dtype
+    f = gate_up.shape[-1] // 2
+    x_store, ct_store = bits.as_bits(x_pd), bits.as_bits(ct_pd.astype(dtype))
+    f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+
+    def body(i, carry):
+        dx, d_gate_up, d_down = carry
+        e = block_e[i]
+        rows = lambda a: bits.from_bits(jax.lax.dynamic_slice_in_dim(a, i * b, b), dtype)  # noqa: E731
+        xb, h, dy = rows(x_store), rows(h_all), rows(ct_store)
+        g, u = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32)
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        d_down = d_down.at[e].add(f32(_swiglu(xb, h[:, :f], h[:, f:]).T, dy))
+        da = f32(dy, down[e].T)  # [b, F]
+        dh = jnp.concatenate([da * u * sig * (1 + g * (1 - sig)), da * silu], axis=1)
+        dh = dh.astype(dtype)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, bits.as_bits(dh @ gate_up[e].T), i * b, 0)
+        d_gate_up = d_gate_up.at[e].add(f32(xb.T, dh))
+        return dx, d_gate_up, d_down
+
+    zeros = lambda a, dt: _zeros(a.shape, dt, x_pd, gate_up, down, ct_pd)  # noqa: E731
+    init = (
+        bits.as_bits(zeros(x_pd, dtype)),
+        zeros(gate_up, jnp.float32),
+        zeros(down, jnp.float32),
+    )
+    dx, d_gate_up, d_down = jax.lax.fori_loop(0, used, body, init)
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731 (integer inputs)
+    return (
+        bits.from_bits(dx, dtype),
+        d_gate_up.astype(gate_up.dtype),
+        d_down.astype(down.dtype),
+        zero(block_e),
+        zero(used),
+    )
+
+
+_expert_loop.defvjp(_expert_loop_fwd, _expert_loop_bwd)
 
 
 @jax.custom_vjp

@@ -39,7 +39,7 @@ from safetensors.numpy import save_file
 
 from jaxrlvr.model import lora as lora_lib
 from jaxrlvr.model import sharding
-from jaxrlvr.model.config import ConfigError, DTypeLike, ModelConfig, dtype_name
+from jaxrlvr.model.config import ConfigError, DTypeLike, ModelConfig, MoEImpl, dtype_name
 from jaxrlvr.model.decoder import CausalLM
 from jaxrlvr.model.lora import LoRAConfig
 
@@ -424,6 +424,7 @@ def load_hf(
     remat: bool = False,
     scan_layers: bool = True,
     attention_query_chunk: int | None = None,
+    moe_impl: MoEImpl = "auto",
     lora: LoRAConfig | None = None,
     lora_seed: int = 0,
     router_aux_loss: bool = False,
@@ -439,6 +440,7 @@ def load_hf(
         shardings, each device receiving only its shard. None: the default device.
       attention_query_chunk: attention over blocks of this many queries
         (``ModelConfig.attention_query_chunk``); None: all at once.
+      moe_impl: MoE only, the expert block's kernel (``ModelConfig.moe_impl``).
       router_aux_loss: MoE only, add the load-balancing loss to updates
         (``ModelConfig.router_aux_loss``).
       lora: add fresh low-rank adapters (``model.lora``; A random from ``lora_seed``, B zero, so
@@ -465,6 +467,7 @@ def load_hf(
             remat=remat,
             scan_layers=scan_layers,
             attention_query_chunk=attention_query_chunk,
+            moe_impl=moe_impl,
             lora=lora,
             router_aux_loss=router_aux_loss,
         )
