@@ -6,14 +6,18 @@ gate weights are cast to the compute dtype. Every token reaches its k experts: n
 factor, no dropped tokens, so the trainer computes the function the sampler (vLLM) computes.
 
 Dispatch (``grouped_experts``): every token's k (token, expert) slots run through their
-experts' SwiGLU and are summed, scaled by the gate weights. Three kernels, chosen by ``impl``:
+experts' SwiGLU and are summed, scaled by the gate weights. Four kernels, chosen by ``impl``:
 
-- ``"sorted_blocks"`` (CPU): the N x k slots sorted by expert (stable: ties keep token order),
-  each expert's rows padded to a multiple of a block of b rows, every block belonging to one
-  expert, one batched matmul running the blocks against their experts' weights (gathered per
-  block). The work is that of the N x k real rows plus at most b - 1 padding rows per expert.
-  The rows move between token order and the padded order by gathers only (``_take_rows``: the
-  backward of each gather is the other gather), so neither pass runs a scatter-add.
+- ``"block_loop"`` (CPU): the N x k slots sorted by expert (stable: ties keep token order),
+  each expert's rows padded to a multiple of a block of b rows (every block belongs to one
+  expert), then a loop over the blocks that hold rows, each block through its expert's
+  kernels as they are (gate and up as one [D, 2F] matmul, then down): plain 2-D matmuls, no
+  weight copies, the all-padding blocks skipped. Its backward is a second loop (custom VJP),
+  summing each expert's kernel gradients in float32. The rows move between token order and
+  the padded order by gathers only (``_take_rows``: the backward of each gather is the other
+  gather), so neither pass runs a scatter-add.
+- ``"sorted_blocks"`` (GPU): the same padded layout, one batched matmul running all blocks
+  against their experts' weights gathered per block (the weight copies grow with N x k / b).
 - ``"dense"`` (CPU, small shapes): every expert on every token as two wide matmuls, the
   activations weighted by the one-hot combine matrix: E / k times the routed work, but no sort,
   gather or scatter (tunix's CPU path).
@@ -28,15 +32,20 @@ block on 4,096 tokens (bf16, forward / forward + backward) took 58.4 / 195 ms wi
 ``ragged_dot``, 3.5 / 20.7 ms with ``sorted_blocks`` and 7.5 / 22.5 ms with ``dense``; the
 GRPO update of a 4-layer cut of the model (8 x 1,024 tokens, 4 microbatches) 2.24 s and 101.8
 GiB peak with ``ragged_dot`` against 0.47 s and 61.9 GiB with ``sorted_blocks``, the forward
-0.486 against 0.060 s. On the CPU ``dense`` when E <= 2k and N <= 256
-tokens (``DENSE_MAX_TOKENS``), else ``sorted_blocks``. The crossover, measured on the 2-core
-CPU (2026-12-03, busy: load 8-22, so CPU seconds of the process, forward + backward of one
-block, float32; docs/moe.md has the table): at E=8 top-2 (the MoE demo, D=128 F=192)
-``sorted_blocks`` wins at every N measured (32: 2.8 ms against 3.3 dense; 256: 15 / 16; 1,280:
-47 / 122; 2,016: 95 / 266); at E=4 top-2 the dense kernel wins at N=256 (10.1 / 11.2 ms) and
-loses at 2,016 (111 / 49); at E=16 top-4 (D=512 F=352) it wins at 256 (225 / 281) and loses
-at 1,024 (1150 / 555); at E=64 top-8 it loses at 256 already (1075 / 705). ``dense_experts``
-(the one-hot reference in its plainest form) is what the tests compare against.
+0.486 against 0.060 s (``block_loop`` was not measured on a GPU: a loop of small matmuls is
+the wrong shape of work there). On the CPU ``dense`` when E <= 2k and N <= 256 tokens
+(``DENSE_MAX_TOKENS``), else ``block_loop``. At the MoE demo's shapes (E=8 top-2, D=128,
+F=192, float32, forward + backward of one block, 2-core CPU, 2026-12-07; docs/moe.md)
+``block_loop`` against ``sorted_blocks``: 26-32 against 50-58 ms at 2,016 tokens (the GRPO
+update), 18-20 against 23-25 at 1,280 (an SFT step), forward 2.4-3.0 against 3.3-3.8 at 256
+(a decode step); XLA:CPU runs a small batched matmul slower than the same rows as 2-D
+matmuls, and the per-block weight copies cost as much as a third of ``sorted_blocks``'
+forward. The ``dense`` crossover was measured against ``sorted_blocks`` (2026-12-03, busy
+machine, CPU seconds): at E=8 top-2 the blocks win at every N measured; at E=4 top-2 the dense
+kernel wins at N=256 (10.1 / 11.2 ms) and loses at 2,016 (111 / 49); at E=16 top-4 (D=512
+F=352) it wins at 256 (225 / 281) and loses at 1,024 (1150 / 555); at E=64 top-8 it loses at
+256 already (1075 / 705). ``dense_experts`` (the one-hot reference in its plainest form) is
+what the tests compare against.
 
 Expert parallelism: expert weights are stacked ``[E, ...]`` with the logical axis ``expert``,
 which ``sharding.LOGICAL_RULES`` maps onto the ``expert`` mesh axis (then ``fsdp``). With
@@ -106,7 +115,7 @@ class RouterOutput:
 def resolve_impl(impl: MoEImpl, num_tokens: int = 0, num_experts: int = 0, k: int = 1) -> str:
     """The kernel "auto" means here: by ``jax.default_backend()`` at trace time (TPU
     ``ragged_dot``, GPU ``sorted_blocks``), and on the CPU by shape (module docstring: ``dense``
-    when E <= 2k and N <= 256, else ``sorted_blocks``). A program lowered on one platform for
+    when E <= 2k and N <= 256, else ``block_loop``). A program lowered on one platform for
     another (``jax.export`` from a CPU host for TPU or CUDA) should set
     ``ModelConfig.moe_impl`` explicitly."""
     if impl == "auto":
@@ -369,10 +378,10 @@ _expert_loop.defvjp(_expert_loop_fwd, _expert_loop_bwd)
 def _take_rows(x_md: jax.Array, idx_r: jax.Array, inv_mc: jax.Array) -> jax.Array:
     """x[idx] [R, D] (an index >= M reads a zero row), whose cotangent is again a gather:
     dx[m] = sum_c ct[inv[m, c]] (an index >= R adds nothing), ``inv`` listing the rows that
-    read row m. ``sorted_blocks`` moves rows between token order and the padded expert order
-    with it both ways, so neither pass runs a scatter-add (XLA:CPU runs scatters one row at a
-    time; this took the block's forward + backward from ~118 to ~95 ms CPU at the MoE demo's
-    update shape)."""
+    read row m. ``block_loop`` and ``sorted_blocks`` move rows between token order and the
+    padded order with it both ways, so neither pass runs a scatter-add (XLA:CPU runs scatters
+    one row at a time; this took ``sorted_blocks``' forward + backward from ~118 to ~95 ms CPU
+    at the MoE demo's update shape)."""
     return jnp.take(x_md, idx_r, axis=0, mode="fill", fill_value=0)
 
 
