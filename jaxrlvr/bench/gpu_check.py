@@ -15,12 +15,12 @@ its own process, one after the other, so each has the whole device and its own p
   against the measured matmul peak, and peak device memory;
 - ``moe``: Qwen3-30B-A3B's routed expert block (D 2,048, 128 experts of width 768, top-8) on
   4,096 tokens: forward + backward of each grouped kernel (``ragged_dot``, the platform's
-  choice; ``sorted_blocks``; the one-hot ``dense``) and of the expert-parallel
-  ``ragged_all_to_all`` dispatch on a one-device ``expert`` axis, each checked against the
-  one-hot reference ``moe.dense_experts`` in float32 at highest matmul precision (output and
-  gradients, max |diff| / max |ref|); then the GRPO update and forward of the Qwen3-30B-A3B
-  architecture cut to 4 layers (the same trainer path and batch as ``update``), MFU counted on
-  the active parameters;
+  choice; ``sorted_blocks``; the CPU's ``block_loop``; the one-hot ``dense``) and of the
+  expert-parallel ``ragged_all_to_all`` dispatch on a one-device ``expert`` axis, each checked
+  against the one-hot reference ``moe.dense_experts`` in float32 at highest matmul precision
+  (output and gradients, max |diff| / max |ref|); then the GRPO update and forward of the
+  Qwen3-30B-A3B architecture cut to 4 layers (the same trainer path and batch as ``update``),
+  MFU counted on the active parameters;
 - ``sampler``: ``JaxSampler`` at that architecture (bf16 weights), 64 prompts of 128 tokens x 256
   new tokens, tokens/s against the HBM-bandwidth bound of decode at that batch (every step reads
   the weights once and the KV cache so far);
@@ -334,6 +334,7 @@ def _moe_kernels(smoke: bool) -> dict:
     impls = {
         "ragged_dot": functools.partial(moe.grouped_experts, impl="ragged_dot"),
         "sorted_blocks": functools.partial(moe.grouped_experts, impl="sorted_blocks"),
+        "block_loop": functools.partial(moe.grouped_experts, impl="block_loop"),
         "dense": functools.partial(moe.grouped_experts, impl="dense"),
         "ep_ragged_a2a": ep_ragged,
     }
@@ -546,7 +547,7 @@ def table(results: dict) -> str:
     rows.append(("HBM copy", err(mm) or f"{_fmt(bw, '.0f')} GB/s", "read + write"))
     rows += _step_rows(up, "", peak, err)
     kern = mo.get("kernels", {})
-    for name in ("ragged_dot", "sorted_blocks", "dense", "ep_ragged_a2a"):
+    for name in ("ragged_dot", "sorted_blocks", "block_loop", "dense", "ep_ragged_a2a"):
         if "error" in mo or not mo:
             rows.append((f"MoE kernel {name}", err(mo) or "not run", ""))
             break

@@ -84,15 +84,17 @@ def test_cpu_smoke_writes_the_table_and_json(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = (tmp_path / "gpu_check.txt").read_text()
     assert text.strip() == proc.stdout.strip()
-    moe_row = "MoE (2-layer 30B-A3B, sorted_blocks) GRPO update"
-    rows = ("bf16 matmul", "forward (old logp)", "GRPO update", "MoE kernel ragged_dot", moe_row,
+    # The MoE rows name the kernel "auto" resolves to: block_loop on the CPU, sorted_blocks on GPUs.
+    moe_row = "MoE (2-layer 30B-A3B, block_loop) GRPO update"
+    rows = ("bf16 matmul", "forward (old logp)", "GRPO update", "MoE kernel ragged_dot",
+            "MoE kernel block_loop", moe_row,
             "JaxSampler", "demo (2 RL")  # fmt: skip
     for row in rows:
         assert row in text, text
     # Every grouped kernel computes the one-hot reference's block (float32: rounding only).
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     kernels = record["moe"]["kernels"]
-    for name in ("ragged_dot", "sorted_blocks", "dense"):
+    for name in ("ragged_dot", "sorted_blocks", "block_loop", "dense"):
         assert kernels[name]["rel_err_out"] < 1e-5 and kernels[name]["rel_err_grad"] < 1e-5, name
     assert "skipped" in kernels["ep_ragged_a2a"]  # XLA:CPU cannot compile it
     record = json.loads((tmp_path / "gpu_check.json").read_text())
