@@ -47,6 +47,7 @@ from jaxrlvr import (
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr.data import loading
 from jaxrlvr.phases import base
 
 log = prompts.log
@@ -128,6 +129,7 @@ class Trainer:
                 # Lines after the restored checkpoint were logged by the killed run; drop them.
                 self.metrics.truncate_after(self.global_step + 1)
         self.progress = None
+        self._ahead = None  # the thread compiling sampler programs ahead (``_compile_ahead``)
         # The loop's hooks, in the order they run after a step, after the evaluation, whose
         # period is the phase's (``hooks_for``); a phase adds its own (``Phase.hooks``).
         self.hooks = [
@@ -266,6 +268,7 @@ class Trainer:
         )
         t_start = time.perf_counter()
         stopping = False
+        ahead = self.cfg.run.compile_ahead
         with interrupt.GracefulStop() as stop:
             first = self.phases[0]
             if self.global_step == 0 and self.cfg.eval.at_start and first.eval_every is not None:
@@ -277,6 +280,9 @@ class Trainer:
                     phase.begin()
                 while not phase.done and not stopping:
                     m = phase.step()
+                    if ahead:  # after the first step: its own programs compile alone
+                        ahead = False
+                        self._compile_ahead()
                     if phase.done:
                         phase.finish()  # the sampler gets the phase's final weights
                         if phase is not self.phases[-1]:
@@ -296,6 +302,23 @@ class Trainer:
             )
             return {"interrupted": stop.requested, "step": self.global_step}
         return self._summary(time.perf_counter() - t_start)
+
+    def _compile_ahead(self) -> None:
+        """Starts compiling the sampler programs that the run's next steps and evaluations will
+        run, in the order it needs them (the current phase's, the evaluation's, the later
+        phases'), on a background thread (``RunContext.compile_ahead``; ``run.compile_ahead``):
+        on the demo the RL phase's rollouts and the evaluations then compile while SFT trains.
+        Called after the run's first step: the step's own programs compile first, alone (on
+        the demo's two cores two compiles at once slowed each other as much as they gained)."""
+        c = self.cfg
+        pending = [p for p in self.phases[self.phases.index(self.phase) :] if not p.done]
+        per_phase = [p.sampler_calls() for p in pending]
+        if any(p.eval_every is not None for p in pending):
+            problems = loading.held_out_share(self.ctx.eval_problems, c.eval.max_problems)
+            evaluation = (problems, c.eval.samples_per_problem, c.sampler, True)
+            before = self.global_step == 0 and c.eval.at_start
+            per_phase.insert(0 if before else 1, [evaluation])
+        self._ahead = self.ctx.compile_ahead([call for calls in per_phase for call in calls])
 
     def _last_accuracy(self) -> str:
         evals = self.loop.eval_history or list(self.loop.phase_evals.values())
@@ -325,11 +348,17 @@ class Trainer:
             # XLA compiles and persistent-cache loads of this process so far (compile_cache).
             "compile": compile_cache.process_counter().as_dict(),
         }
+        ahead = getattr(self.ctx.sampler, "compiled_ahead", None)
+        if self._ahead is not None and ahead is not None:
+            # Sampler programs compiled ahead (``run.compile_ahead``), and how many ran.
+            summary["compile"]["ahead"] = ahead()
         if self.metrics is not None:
             self.metrics.write_summary(summary)
         return summary
 
     def close(self) -> None:
+        if self._ahead is not None:  # a compile in flight ends before the sampler closes
+            self._ahead.join()
         closers = [p.close for p in self.phases] + ([self.ctx.close] if self._owns_ctx else [])
         if self.metrics is not None:
             closers.append(self.metrics.close)

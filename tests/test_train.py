@@ -60,6 +60,9 @@ def test_demo_pipeline_end_to_end(tmp_path):
     assert summary["sft_steps"] == 4 and summary["rl_steps"] == 3
     assert summary["eval_accuracy_after_sft"] is not None
     assert summary["eval_accuracy_final"] is not None
+    # run.compile_ahead: the evaluation's and the rollouts' sampler programs were compiled
+    # while SFT trained, and both guesses were the programs that ran.
+    assert summary["compile"]["ahead"] == {"programs": 2, "used": 2}
     assert (run_dir / "config.yaml").exists()
     assert sorted(p.name for p in (run_dir / "plots").glob("*.png"))
     assert (run_dir / "checkpoints").is_dir()

@@ -140,6 +140,27 @@ class RunContext:
             scores, stats = score(problems, completions, n)
         return prompt_ids, completions, scores, stats
 
+    def compile_ahead(
+        self, calls: list[tuple[list[loading.Problem], int, config_lib.SamplerSection, bool]]
+    ):
+        """Starts compiling, on a background thread, the sampler programs that ``sample`` will
+        run for ``calls`` (problems, samples per problem, sampler section, eval mode), in that
+        order; returns the thread, or None where nothing is compiled ahead: a sampler that
+        compiles nothing (vLLM, the multi-turn wrapper) or a multi-process job (its processes
+        must compile the same programs in the same order). A call whose shapes differ from the
+        guess just compiles its own program, as without this."""
+        precompile = getattr(self.sampler, "precompile_in_background", None)
+        if precompile is None or self.row_block[1] > 1 or jax.process_count() > 1:
+            return None
+        jobs = []
+        for problems, n, sampler_cfg, eval_mode in calls:
+            if problems and sampler_cfg.kind == "jax":
+                params = prompts.sampling_params(
+                    sampler_cfg, self.tokenizer, eval_mode=eval_mode, seed=0
+                )
+                jobs.append((self.encode_prompts(problems), n, params))
+        return precompile(jobs) if jobs else None
+
     def close(self) -> None:
         """Stops the sampler and the grading pool (each even if the other fails)."""
         for close in (self.sampler.close, self.grader.close):
@@ -375,6 +396,11 @@ class Phase:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+    def sampler_calls(self) -> list[tuple[list[loading.Problem], int, Any, bool]]:
+        """The sampler calls of the phase's next step, as ``RunContext.compile_ahead`` takes
+        them (none by default: a phase that does not sample)."""
+        return []
 
     def close(self) -> None:
         """Stops what the phase started (threads); the context's components are the loop's."""

@@ -117,6 +117,10 @@ class RLPhase(base.RLStepsPhase):
     def close(self) -> None:
         self.source.close()
 
+    def sampler_calls(self):
+        """The rollout calls of the next step (``RolloutSource.first_calls``)."""
+        return [(p, n, self.cfg.sampler, False) for p, n in self.source.first_calls()]
+
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
         timer = metrics_lib.PhaseTimer()

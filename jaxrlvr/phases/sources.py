@@ -146,6 +146,25 @@ class RolloutSource:
             problems = problems + self.iterator.next_batch()
         return problems
 
+    def first_calls(self) -> list[tuple[list[loading.Problem], int]]:
+        """(problems, samples per problem) of the sampler calls of the source's next step, as
+        the data order will draw them (the iterator is put back): what the run compiles ahead
+        (``RunContext.compile_ahead``). With the difficulty filter, the rollouts' problems are
+        the ones the filter keeps, unknown before: the first half of the candidates stands in
+        for them. None with several data shards (a multi-process job compiles nothing ahead)."""
+        if self.ctx.num_shards != 1:
+            return []
+        state = self.iterator.state_dict()
+        try:
+            problems = self.draw()
+        finally:
+            self.iterator.load_state_dict(state)
+        calls = []
+        if self.rl.difficulty_filter:
+            calls.append((problems, self.rl.difficulty_filter_k))
+            problems = problems[: len(problems) // 2]
+        return [*calls, (problems, self.rl.group_size)]
+
     def step_seed(self, rl_step: int) -> int:
         return self.seed * 1_000_003 + rl_step
 
@@ -287,6 +306,10 @@ class MultiTurnSource(RolloutSource):
 
     def generate(self, problems, prompt_ids, n, params):
         return self.ctx.sampler.generate(prompt_ids, n, params, problems=problems)
+
+    def first_calls(self):
+        """None: a trajectory's turns are separate calls of shapes known only as it runs."""
+        return []
 
     def score(self, problems, completions, n):
         scores, stats = super().score(problems, completions, n)

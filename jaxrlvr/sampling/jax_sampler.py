@@ -34,9 +34,11 @@ sharing between the n samples of one prompt, penalties.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -257,6 +259,12 @@ def _traced_generate(params, inputs, *, graphdef, cfg, mesh, s: _Static):
 _generate_jit = jax.jit(_traced_generate, static_argnames=("graphdef", "cfg", "mesh", "s"))
 
 
+def _program_key(inputs: dict, s: _Static) -> tuple:
+    """What tells one sampler's generation programs apart: the inputs' shapes and the static
+    choices (the weights, graph, config and mesh are the sampler's own)."""
+    return s, tuple((k, np.shape(v)) for k, v in sorted(inputs.items()))
+
+
 def num_traces() -> int:
     """How many times the generation program has been traced (all samplers of this process);
     tests use it to prove that calls in the same buckets do not recompile."""
@@ -387,6 +395,11 @@ class JaxSampler:
         self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._treedef = jax.tree.structure(abstract_params)
         self._live: tuple[Any, int | None] | None = None  # (params, version), swapped as one
+        # Programs being compiled ahead (``precompile_in_background``), by ``_program_key``: a
+        # generation that needs one waits for it rather than compiling it a second time.
+        self._compiling: dict[tuple, threading.Event] = {}
+        self._ran_ahead: set[tuple] = set()  # the ones a generation has run since
+        self._compiling_lock = threading.Lock()
         self._seed_counter = 0
         self.update_weights(nnx.state(model, nnx.Param))
 
@@ -433,6 +446,94 @@ class JaxSampler:
             self._budget_tokenizer,
             budget_segment=lambda *a: self._generate_plain(*a, routes=False),
         )
+
+    def precompile(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: base.SamplingParams,
+    ) -> bool:
+        """Compiles, without running it, the program that ``generate`` with these arguments
+        will run (the same batch, prompt-length and generation buckets and static choices;
+        another call that lands in the same buckets runs it too), so that the call starts at
+        once. Returns False, compiling nothing, where ``generate`` would not run one plain
+        program (a thinking budget), in a multi-process job (every process must compile the
+        same programs in the same order) and on a closed sampler."""
+        planned = self._lowered(prompt_token_ids, n, sampling_params)
+        if planned is None:
+            return False
+        planned[1].compile()
+        return True
+
+    def precompile_in_background(
+        self, calls: Sequence[tuple[Sequence[Sequence[int]], int, base.SamplingParams]]
+    ) -> threading.Thread | None:
+        """``precompile`` of each ``(prompt_token_ids, n, sampling_params)``: the programs are
+        traced and lowered here, then XLA compiles them in turn on a daemon thread (returned,
+        started; None when there is nothing to compile) while the caller works, e.g. the RL
+        phase's rollout program and the evaluation's during the SFT warm start. A ``generate``
+        that needs a program still compiling there waits for it instead of compiling it a
+        second time. A program that fails to compile is skipped: ``generate`` meets the same
+        error where it would have without this.
+
+        The thread runs at ``SCHED_IDLE`` (Linux): XLA's compile takes the cores only while the
+        caller's threads leave them idle. Tracing and lowering hold the GIL, so they are not on
+        that thread: a thread holding the GIL at idle priority stalls the caller's every step."""
+        pending = []
+        with self._compiling_lock:
+            for call in calls:
+                planned = self._lowered(*call)
+                if planned is not None and planned[0] not in self._compiling:
+                    self._compiling[planned[0]] = threading.Event()
+                    pending.append(planned)
+        if not pending:
+            return None
+
+        def work():
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            for key, lowered in pending:
+                try:
+                    lowered.compile()
+                except Exception:  # noqa: BLE001 (the generation itself reports it)
+                    pass
+                finally:
+                    self._compiling[key].set()
+
+        thread = threading.Thread(target=work, name="jaxrlvr-precompile", daemon=True)
+        thread.start()
+        return thread
+
+    def _lowered(self, prompt_token_ids, n: int, sampling_params: base.SamplingParams):
+        """(``_program_key``, ``jax.stages.Lowered``) of the one program ``generate`` would run
+        for these arguments on the live weights' shapes (jit keeps what it compiles: a call
+        with the same shapes runs it); None where ``precompile`` compiles nothing."""
+        live = self._live
+        if live is None or sampling_params.thinking_budget is not None:
+            return None
+        if not prompt_token_ids or n < 1 or (self.mesh is not None and jax.process_count() > 1):
+            return None
+        rows = [list(map(int, p)) for p in prompt_token_ids for _ in range(n)]
+        params = dataclasses.replace(sampling_params, seed=0)  # a traced input: any value
+        inputs, s = self._program_inputs(
+            rows, params, group=n, multi=False, routes=self.record_routes
+        )
+        lowered = _generate_jit.lower(
+            live[0], inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
+        )
+        return _program_key(inputs, s), lowered
+
+    def _wait_for_compile(self, key: tuple) -> None:
+        """Blocks while ``precompile_in_background`` is compiling the program ``key``."""
+        event = self._compiling.get(key)
+        if event is not None:
+            event.wait()
+            self._ran_ahead.add(key)
+
+    def compiled_ahead(self) -> dict[str, int]:
+        """``{"programs": compiled by precompile_in_background, "used": how many of them a
+        generation has run}``: a run's summary reports whether its guesses were right."""
+        return {"programs": len(self._compiling), "used": len(self._ran_ahead)}
 
     def _budget_tokenizer(self):
         if self.tokenizer is None:
@@ -509,6 +610,21 @@ class JaxSampler:
         and with ``routes`` the prompt's and the completion's experts (``generate_arrays``).
         ``group``: rows come in groups of that many copies of one prompt (prefilled once)."""
         multi = self.mesh is not None and jax.process_count() > 1
+        inputs, s = self._program_inputs(rows, params, group=group, multi=multi, routes=routes)
+        self._wait_for_compile(_program_key(inputs, s))
+        outs = _generate_jit(
+            weights, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
+        )
+        if multi:  # this process's rows of the job's outputs
+            lo, hi = _held_rows(inputs["prompt_ids"])
+            return tuple(_rows_of(x, lo, hi) for x in outs)
+        return jax.device_get(outs)
+
+    def _program_inputs(
+        self, rows: list[list[int]], params: base.SamplingParams, *, group, multi, routes
+    ) -> tuple[dict, _Static]:
+        """The program's placed inputs for ``rows`` (padded to their buckets) and its static
+        choices: what ``_run`` runs and ``precompile`` compiles."""
         # Multi-process: ``rows`` are this process's; every process pads its rows to the same
         # bucket and the program runs once over the whole job's rows, each process's rows on its
         # own devices (its block of the batch axes). Random draws follow the global row order, so
@@ -554,14 +670,7 @@ class JaxSampler:
             group=group if group > 1 and b % (group * self.batch_multiple) == 0 else 1,
             routes=routes,
         )
-        inputs = self._place(inputs, multi=multi)
-        outs = _generate_jit(
-            weights, inputs, graphdef=self._graphdef, cfg=self.cfg, mesh=self.mesh, s=s
-        )
-        if multi:  # this process's rows of the job's outputs
-            lo, hi = _held_rows(inputs["prompt_ids"])
-            return tuple(_rows_of(x, lo, hi) for x in outs)
-        return jax.device_get(outs)
+        return self._place(inputs, multi=multi), s
 
     def _row_blocks(self) -> int:
         """How many distinct row blocks the processes hold (processes that share batch shards
