@@ -34,7 +34,6 @@ sharing between the n samples of one prompt, penalties.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -476,9 +475,11 @@ class JaxSampler:
         second time. A program that fails to compile is skipped: ``generate`` meets the same
         error where it would have without this.
 
-        The thread runs at ``SCHED_IDLE`` (Linux): XLA's compile takes the cores only while the
-        caller's threads leave them idle. Tracing and lowering hold the GIL, so they are not on
-        that thread: a thread holding the GIL at idle priority stalls the caller's every step."""
+        Tracing and lowering hold the GIL, so they run here and only XLA's compile (which
+        releases it) runs on the thread: traced there, they stalled the caller's every step.
+        The thread keeps the normal priority: at idle priority it was no faster on the demo,
+        and a caller waiting for it on a busy machine could wait for as long as the machine
+        stays busy (an unprivileged thread cannot be raised back)."""
         pending = []
         with self._compiling_lock:
             for call in calls:
@@ -490,8 +491,6 @@ class JaxSampler:
             return None
 
         def work():
-            with contextlib.suppress(OSError, AttributeError):
-                os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
             for key, lowered in pending:
                 try:
                     lowered.compile()
