@@ -226,13 +226,14 @@ def test_same_bucket_does_not_retrace(sampler):
 
 def test_precompiled_program_is_the_one_generate_runs(sampler):
     """``precompile_in_background`` compiles the program of a later ``generate`` call (here a
-    prompt bucket no other test uses: 17-32 tokens, 5 rows -> batch 8); the call, made while
-    that compile is still running, waits for it: XLA compiles the program once, the call
-    traces nothing, and its samples equal a plain sampler's."""
+    prompt bucket no other test uses: 17-32 tokens, 5 rows -> batch 8); the call, made at once,
+    waits for that compile where it is still running and runs its program: XLA compiles the
+    program once, the sampler counts it as used, and a second call traces nothing."""
     from jaxrlvr import compile_cache
 
     params = base.SamplingParams(temperature=1.0, max_tokens=9, seed=3)
     prompts = [list(range(2, 22)), [7, 8, 9]]
+    sampler.generate(PROMPTS, 1, params)  # JAX's helper programs (seeding, transfers) compiled
     counter = compile_cache.CompileCounter().start()
     try:
         thread = sampler.precompile_in_background([(prompts, 5, params)])
