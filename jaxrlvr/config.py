@@ -39,9 +39,9 @@ class RunConfig:
     """Where the run writes, and its seed. ``compile_cache``: JAX's persistent compilation cache
     (``compile_cache``): "auto" (``$JAXRLVR_COMPILE_CACHE``, else ~/.cache/jaxrlvr/jax-compile),
     "off", or a directory; a second run of the same config then loads its programs instead of
-    compiling them. ``compile_ahead``: the JAX sampler's later programs (the evaluation's, the RL
-    phase's rollouts) are compiled on a background thread from the run's start, while the first
-    phase trains (``RunContext.compile_ahead``)."""
+    compiling them. ``compile_ahead``: after the run's first step, the JAX sampler's later
+    programs (the evaluation's, the RL phase's rollouts) are compiled on a background thread
+    while the first phase trains (``RunContext.compile_ahead``)."""
 
     out_dir: str = "runs/run"
     seed: int = 0

@@ -315,9 +315,8 @@ class Trainer:
         per_phase = [p.sampler_calls() for p in pending]
         if any(p.eval_every is not None for p in pending):
             problems = loading.held_out_share(self.ctx.eval_problems, c.eval.max_problems)
-            evaluation = (problems, c.eval.samples_per_problem, c.sampler, True)
-            before = self.global_step == 0 and c.eval.at_start
-            per_phase.insert(0 if before else 1, [evaluation])
+            # ``eval.at_start``'s evaluation ran before the first step: the next one is later.
+            per_phase.insert(1, [(problems, c.eval.samples_per_problem, c.sampler, True)])
         self._ahead = self.ctx.compile_ahead([call for calls in per_phase for call in calls])
 
     def _last_accuracy(self) -> str:
