@@ -227,8 +227,9 @@ def test_same_bucket_does_not_retrace(sampler):
 def test_precompiled_program_is_the_one_generate_runs(sampler):
     """``precompile_in_background`` compiles the program of a later ``generate`` call (here a
     prompt bucket no other test uses: 17-32 tokens, 5 rows -> batch 8); the call, made at once,
-    waits for that compile where it is still running and runs its program: XLA compiles the
-    program once, the sampler counts it as used, and a second call traces nothing."""
+    waits for that compile where it is still running and runs its program: the program is
+    built once (XLA's compile, or a load from the persistent cache), the sampler counts it as
+    used, and a second call traces nothing."""
     from jaxrlvr import compile_cache
 
     params = base.SamplingParams(temperature=1.0, max_tokens=9, seed=3)
@@ -243,7 +244,8 @@ def test_precompiled_program_is_the_one_generate_runs(sampler):
         again = sampler.generate(prompts, 5, dataclasses.replace(params, seed=3))
     finally:
         counter.stop()
-    assert counter.compiles == 1, counter.as_dict()
+    # Built once: compiled, or loaded from the persistent compile cache an earlier run filled.
+    assert counter.compiles + counter.cache_hits == 1, counter.as_dict()
     assert jax_sampler.num_traces() == traces
     assert sampler.compiled_ahead() == {"programs": 1, "used": 1}
     assert [c.token_ids for c in out] == [c.token_ids for c in again]
