@@ -563,7 +563,7 @@ def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, m
         p.get_value().astype(dtype) for p in (block.gate.kernel, ex.gate_proj, ex.up_proj)
     ) + (ex.down_proj.get_value().astype(dtype),)
 
-    def dispatch(h_btd, forced_btk, gate, *experts):
+    def dispatch(h_btd, forced_btk, valid, gate, *experts):
         n = h_btd.shape[0] * t
         x = h_btd.reshape(n, d)
         logits = jnp.matmul(x, gate, preferred_element_type=jnp.float32)
@@ -571,7 +571,14 @@ def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, m
         forced = None if forced_btk is None else forced_btk.reshape(n, k)
         ids, weights = moe.select_experts(probs, k, cfg.norm_topk_prob, forced)
         y = expert_parallel.routed_experts(
-            x, ids, weights.astype(dtype), *experts, impl=cfg.moe_impl, mesh=mesh, split=bool(rows)
+            x,
+            ids,
+            weights.astype(dtype),
+            *experts,
+            impl=cfg.moe_impl,
+            mesh=mesh,
+            split=bool(rows),
+            valid_n=None if valid is None else valid.reshape(n),
         )
         return y.reshape(h_btd.shape), ids.reshape(-1, t, k), probs.reshape(-1, t, probs.shape[-1])
 
@@ -586,11 +593,14 @@ def _moe_mlp(block: SparseMoeBlock, cfg: ModelConfig, h, valid_bt, routes_btk, m
             in_specs=(
                 spec,
                 None if routes_btk is None else spec,
+                None if valid_bt is None else spec,
                 *expert_parallel.kernel_specs(mesh),
             ),
             out_specs=(spec, spec, spec),
         )
-    y, ids, probs = dispatch(h, routes_btk, *kernels)
+    # Padding tokens (valid 0) skip the experts: their outputs feed no valid token.
+    expert_valid = None if valid_bt is None else valid_bt > 0
+    y, ids, probs = dispatch(h, routes_btk, expert_valid, *kernels)
     ids, probs = ids.reshape(b * t, k), probs.reshape(b * t, -1)
     valid = jnp.ones((b * t,), jnp.float32) if valid_bt is None else valid_bt.reshape(b * t)
     counts, prob_sum = moe.layer_stats(ids, probs, valid)

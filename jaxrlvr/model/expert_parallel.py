@@ -101,7 +101,7 @@ def kernel_specs(mesh) -> tuple[PartitionSpec, ...]:
 
 
 def routed_experts(
-    x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, *, impl, mesh, split: bool
+    x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, *, impl, mesh, split: bool, valid_n=None
 ) -> jax.Array:
     """Dropless routed SwiGLU of the device's rows, sum_j w[n, j] * expert_{ids[n, j]}(x[n])
     -> [n, D], inside ``jax.shard_map`` over ``mesh``.
@@ -109,10 +109,16 @@ def routed_experts(
     x [n, D] (this device's rows), ids / weights [n, k] (global expert ids, gate weights in the
     compute dtype), and this device's E_local = E / expert experts' kernels. Without an expert
     axis: ``moe.grouped_experts`` on the device's own rows. ``split``: whether the rows
-    are split over the ``expert`` axis (else replicated over it: replicate-mask-psum)."""
+    are split over the ``expert`` axis (else replicated over it: replicate-mask-psum).
+    ``valid_n`` [n] bool: the rows that hold tokens (``moe.grouped_experts``); the others give
+    0 (with an expert axis they still travel and run: their gate weights are zeroed)."""
     ep = axis_size(mesh)
     if ep == 1:
-        return moe.grouped_experts(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, impl=impl)
+        return moe.grouped_experts(
+            x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd, impl=impl, valid_n=valid_n
+        )
+    if valid_n is not None:
+        weights_nk = jnp.where(valid_n[:, None], weights_nk, jnp.zeros_like(weights_nk))
     if not split:
         y = _local_experts(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
         return jax.lax.psum(y, AXIS)

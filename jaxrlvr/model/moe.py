@@ -183,22 +183,31 @@ def grouped_experts(
     down_efd: jax.Array,
     *,
     impl: MoEImpl = "auto",
+    valid_n: jax.Array | None = None,
 ) -> jax.Array:
     """Dropless routed SwiGLU: sum_j w[n, j] * expert_{ids[n, j]}(x[n]) -> [N, D].
 
     x [N, D] and the weights in the compute dtype (gate weights cast to it); experts' kernels
     gate / up [E, D, F], down [E, F, D]. Module docstring: the kernels of ``impl``.
+    ``valid_n`` [N] bool (None: every row): the rows that hold tokens; the others (padding,
+    finished decode rows) give 0, and ``block_loop`` runs no expert work for them.
     """
     n, d = x_nd.shape
     k = ids_nk.shape[1]
     e = gate_edf.shape[0]
     impl = resolve_impl(impl, n, e, k)
+    if valid_n is not None:
+        weights_nk = jnp.where(valid_n[:, None], weights_nk, jnp.zeros_like(weights_nk))
     if impl == "dense":
         return _dense_onehot(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
     s = n * k
     flat = ids_nk.reshape(s)
+    if valid_n is not None and impl in ("block_loop", "sorted_blocks"):
+        # Padding rows' slots go to a group E past the experts: sorted last, never run.
+        flat = jnp.where(jnp.repeat(valid_n, k), flat, e)
+    groups = e + 1 if valid_n is not None and impl != "ragged_dot" else e
     order = jnp.argsort(flat, stable=True)  # slot order sorted by expert
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
     if impl == "ragged_dot":
         rows = x_nd[order // k]  # [S, D]
         g = jax.lax.ragged_dot(rows, gate_edf, group_sizes)
@@ -213,7 +222,7 @@ def grouped_experts(
         )
     loop = impl == "block_loop"
     b = _block_size(s, e, max_rows=LOOP_MAX_BLOCK if loop else 128)
-    layout = _padded_layout(flat, order, group_sizes, b, k)
+    layout = _padded_layout(flat, order, group_sizes, b, k, experts=e)
     xp = _take_rows(x_nd, layout.token, layout.pos_nk)  # [P, D]
     if loop:
         gate_up = jnp.concatenate([gate_edf, up_edf], axis=-1)
@@ -236,8 +245,9 @@ class _Layout:
 
     pos_nk: [N, k] the padded row of each (token, slot); src: [P] the slot each padded row
     holds (N x k: padding); token: [P] its token (N: padding, read as a zero row); block_e:
-    [P / b] each block's expert (E - 1 for the all-padding blocks past the last group); used:
-    [] the number of blocks that hold any slot (they come first)."""
+    [P / b] each block's expert (E - 1 for the blocks past the last expert's group); used:
+    [] the number of blocks that hold any expert's slot (they come first; the slots of
+    padding tokens, a group after the experts', and the all-padding blocks come after)."""
 
     pos_nk: jax.Array
     src: jax.Array
@@ -246,9 +256,10 @@ class _Layout:
     used: jax.Array
 
 
-def _padded_layout(flat_s, order_s, group_sizes_e, b: int, k: int) -> _Layout:
+def _padded_layout(flat_s, order_s, group_sizes_e, b: int, k: int, experts: int) -> _Layout:
     """The layout of ``_Layout`` from the flat expert ids [N x k], their stable sort by expert
-    and the group sizes: int32 bookkeeping only, no float data moved."""
+    and the group sizes (``experts``, or one more: the padding tokens' group, id
+    ``experts``): int32 bookkeeping only, no float data moved."""
     s = flat_s.shape[0]
     e = group_sizes_e.shape[0]
     sorted_e = flat_s[order_s]
@@ -268,8 +279,8 @@ def _padded_layout(flat_s, order_s, group_sizes_e, b: int, k: int) -> _Layout:
         pos_nk=pos.reshape(s // k, k),
         src=src,
         token=jnp.where(src < s, src // k, s // k),
-        block_e=jnp.minimum(block_e, e - 1).astype(jnp.int32),
-        used=(padded_end[-1] // b).astype(jnp.int32),
+        block_e=jnp.minimum(block_e, experts - 1).astype(jnp.int32),
+        used=(padded_end[experts - 1] // b).astype(jnp.int32),
     )
 
 

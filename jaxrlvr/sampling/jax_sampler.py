@@ -215,9 +215,13 @@ def generate_arrays(graphdef, params, inputs: dict, *, cfg: M.ModelConfig, mesh,
 
     def body(st: _Loop):
         prev = st.t - 1  # the token being fed sits at slot p + prev
+        step_valid = valid_bs
+        if cfg.is_moe:  # a finished row's fed token is padding: it skips the experts
+            here = jnp.arange(p + g) == p + prev
+            step_valid = valid_bs & ~(here[None, :] & st.done_b[:, None])
         hidden, cache, *router = lm.backbone(
             st.token_b[:, None],
-            valid_bs,
+            step_valid,
             (next_pos + prev)[:, None],
             cache=st.cache,
             cache_index=p + prev,

@@ -84,6 +84,45 @@ def test_grouped_dispatch_equals_dense_reference(impl, n):
         np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["block_loop", "sorted_blocks", "dense", "ragged_dot"])
+def test_padding_rows_skip_the_experts(impl):
+    """``valid_n``: padding rows give 0 and the valid rows what the reference gives them (values
+    and gradients); ``block_loop`` and ``sorted_blocks`` put the padding rows' slots after
+    every expert's blocks, so the loop runs fewer blocks."""
+    n, e, k = 300, 8, 2
+    x = jax.random.normal(jax.random.PRNGKey(2), (n, 16))
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (n, e)))
+    ids, w = moe.select_experts(probs, k, True)
+    valid = jax.random.uniform(jax.random.PRNGKey(4), (n,)) < 0.6
+    experts = _experts(5)
+
+    def grouped(x, *experts):
+        return moe.grouped_experts(x, ids, w, *experts, impl=impl, valid_n=valid)
+
+    def dense(x, *experts):
+        return moe.dense_experts(x, ids, jnp.where(valid[:, None], w, 0.0), *experts)
+
+    out = jax.jit(grouped)(x, *experts)
+    assert not np.any(np.asarray(out)[~np.asarray(valid)])
+    np.testing.assert_allclose(out, jax.jit(dense)(x, *experts), atol=1e-5, rtol=0)  # as above
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    g1 = jax.jit(jax.grad(loss(grouped), argnums=(0, 1, 2, 3)))(x, *experts)
+    g2 = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, *experts)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(np.asarray(b)).max()), rtol=0)
+    if impl == "block_loop":
+        flat = ids.reshape(-1)
+        masked = jnp.where(jnp.repeat(valid, k), flat, e)
+
+        def used(flat, groups):
+            order = jnp.argsort(flat, stable=True)
+            sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
+            return int(moe._padded_layout(flat, order, sizes, 32, k, experts=e).used)
+
+        # 32-row blocks: ~40 % of the slots are padding's, so about that many fewer blocks.
+        assert used(masked, e + 1) <= 0.75 * used(flat, e)
+
+
 def test_block_loop_in_bfloat16_is_near_the_float32_reference():
     """bfloat16 rows through ``block_loop`` (its loops move 2-byte rows as bits, and sum each
     expert's kernel gradients in float32): values and gradients within bfloat16's rounding of
