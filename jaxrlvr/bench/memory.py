@@ -62,6 +62,9 @@ GIB = 1024**3
 REMAT_WARNING = "Involuntary full rematerialization"
 ROLLOUTS, PROMPT, RESPONSE = 256, 256, 1024
 CONFIG = "configs/r1_zero_qwen2.5_math_1.5b.yaml"
+# ``model.config.MoEImpl`` but "auto" (the platform's choice: not the TPU's on this host); not
+# imported from there, so the command line parses without importing JAX.
+MOE_IMPLS = ("ragged_dot", "sorted_blocks", "block_loop", "dense")
 
 
 def qwen25_math_1_5b(**overrides):
@@ -314,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--moe-impl",
         default="ragged_dot",
-        choices=("ragged_dot", "sorted_blocks"),
-        help="the MoE's grouped-matmul kernel (qwen3-30b-a3b)",
+        choices=MOE_IMPLS,
+        help="the MoE's grouped-matmul kernel (qwen3-30b-a3b; model.moe_impl)",
     )
     p.add_argument(
         "--expert",
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--fsdp: expected a comma list of integers, got {args.fsdp!r}")
     models = common.comma_list(p, "--model", args.model, MODELS)
+    if args.attention_chunk is not None and args.attention_chunk < 1:
+        p.error(f"--attention-chunk={args.attention_chunk}: must be a positive integer")
     if args.expert < 1 or any(n % args.expert for n in sizes):
         p.error(f"--expert={args.expert}: must be a positive divisor of every --fsdp size")
     rollouts, seq = (16, 64) if args.tiny else (ROLLOUTS, PROMPT + RESPONSE)

@@ -56,6 +56,16 @@ kernels are never gathered: ``expert_parallel`` (a ring of experts on the CPU an
 ``ragged_all_to_all`` with ``ragged_dot``: the TPU's choice), sharing this module's routing,
 gate weights and combine.
 
+Padding (``grouped_experts(valid_n=...)``): the decoder passes the attention mask, so padding
+positions (a packed row's tail, a left-padded prompt's head) and, in the JAX sampler's decode,
+the rows that have finished give 0 and run no expert: in the block kernels their slots form a
+group after every expert's (sorted last), which ``block_loop``'s loop never reaches. Their
+outputs feed no valid token (masked keys, masked loss), and the router still routes them: their
+ids come back for routing replay, and the statistics count the valid tokens only, as before.
+Transformers and vLLM run the experts on padding too. At the MoE demo's GRPO update (30 %
+padding) one block's forward + backward went from 29.7 to 25.8 ms, an SFT batch's (16 %) from
+23.8 to 18.5, a decode step's with half its rows finished from 8.5 to 6.4 (docs/moe.md).
+
 Routing replay (issue 40): ``select_experts`` accepts forced expert ids (a token whose row
 holds a -1 uses its live top-k); the gate weights are always gathered from the live float32
 softmax at the chosen experts (never from post-top-k zeroed probabilities), so the router keeps

@@ -50,6 +50,8 @@ def test_sync_without_a_vllm_python_names_the_flag(monkeypatch, capsys):
         ("forward", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
         ("update", ["--systems", "jax"], "--systems: 'jax' is not one of jaxrlvr, torch"),
         ("sync", ["--vllm-python", "py", "--shapes", "1b"], "--shapes: '1b' is not one of"),
+        ("memory", ["--attention-chunk", "0"], "--attention-chunk=0: must be a positive integer"),
+        ("memory", ["--moe-impl", "grouped"], "argument --moe-impl: invalid choice: 'grouped'"),
     ],
 )
 def test_bad_flags_are_named(name, argv, says, capsys):
@@ -71,3 +73,15 @@ def test_worker_env_drops_only_the_fake_devices(monkeypatch):
     assert common.worker_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
     monkeypatch.setenv("XLA_FLAGS", fake)
     assert "XLA_FLAGS" not in common.worker_env()
+
+
+def test_memory_offers_every_moe_kernel():
+    """``bench memory --moe-impl`` takes every ``model.moe_impl`` kernel (its list is spelled
+    out so the command line parses without JAX): "auto" alone is left out, it would pick this
+    host's kernel rather than the accelerator's the memory is asked for."""
+    import typing
+
+    from jaxrlvr.bench import memory
+    from jaxrlvr.model import config
+
+    assert set(memory.MOE_IMPLS) == set(typing.get_args(config.MoEImpl)) - {"auto"}
