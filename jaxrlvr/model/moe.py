@@ -211,11 +211,10 @@ def grouped_experts(
     if impl == "dense":
         return _dense_onehot(x_nd, ids_nk, weights_nk, gate_edf, up_edf, down_efd)
     s = n * k
-    flat = ids_nk.reshape(s)
+    flat, groups = ids_nk.reshape(s), e
     if valid_n is not None and impl in ("block_loop", "sorted_blocks"):
         # Padding rows' slots go to a group E past the experts: sorted last, never run.
-        flat = jnp.where(jnp.repeat(valid_n, k), flat, e)
-    groups = e + 1 if valid_n is not None and impl != "ragged_dot" else e
+        flat, groups = jnp.where(jnp.repeat(valid_n, k), flat, e), e + 1
     order = jnp.argsort(flat, stable=True)  # slot order sorted by expert
     group_sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
     if impl == "ragged_dot":
