@@ -469,6 +469,11 @@ def test_completion_routes_from_a_sampler_are_checked_before_packing(completions
         routing.RouteError, match=r"^completion 1: Completion.routes\[2, 1, 0\] = 9"
     ):
         rp.host(None, PROMPTS, bad)
+    # The step's routes are checked as one array; a completion whose layer axis differs from
+    # the others' is still named (here: one layer of two).
+    bad[1] = dataclasses.replace(completions[1], routes=np.array(completions[1].routes)[:, :1])
+    with pytest.raises(routing.RouteError, match=r"^completion 1: Completion.routes: layer axis"):
+        rp.host(None, PROMPTS, bad)
 
 
 def test_reference_and_teacher_passes_route_themselves_unless_told(lm, completions):
