@@ -296,8 +296,16 @@ def _padded_layout(flat_s, order_s, group_sizes_e, b: int, k: int, experts: int)
 def _zeros(shape, dtype, *refs: jax.Array) -> jax.Array:
     """Zeros of ``shape`` that vary over every manual mesh axis any of ``refs`` varies over
     (``zeros_like`` carries its example's): inside ``shard_map`` a loop's initial carry must
-    match the axes its body's values vary over. XLA folds the sum of zeros away."""
+    match the axes its body's values vary over. XLA folds the sum of zeros away. Outside
+    ``shard_map`` nothing varies: plain zeros (fewer ops to trace, the same program)."""
+    if not any(_in_manual_mesh(r) for r in refs):
+        return jnp.zeros(shape, dtype)
     return sum(jnp.zeros_like(r, dtype=dtype, shape=shape) for r in refs)
+
+
+def _in_manual_mesh(x: jax.Array) -> bool:
+    """Whether ``x`` is traced inside ``shard_map`` (its mesh has a manual axis)."""
+    return jax.sharding.AxisType.Manual in jax.typeof(x).sharding.mesh.axis_types
 
 
 def _vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -305,6 +313,8 @@ def _vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     zeros). Inside ``shard_map`` rows split over ``data`` meet replicated kernels: autodiff
     then sums the kernels' gradient over ``data`` (the transpose of this broadcast), where a
     custom VJP could not return a per-shard gradient for a replicated input."""
+    if not any(_in_manual_mesh(a) for a in arrays):
+        return arrays
     return tuple(a + _zeros(a.shape, a.dtype, *arrays) for a in arrays)
 
 
