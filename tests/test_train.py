@@ -22,6 +22,10 @@ def test_demo_pipeline_end_to_end(tmp_path):
         "checkpoint.every=2",
         "eval.pass_k=[1,4]",
         "eval.maj_k=[4]",
+        # Completions of the gold answers' length (4 SFT steps teach the tiny policy nothing,
+        # so it writes to the limit): the GRPO phase's first-step programs, compiled ahead for
+        # a stand-in of its rollouts (gold answers cut to this limit), are the ones it runs.
+        "sampler.max_tokens=4",
         *runs.TINY,
     )
     assert "held-out accuracy after SFT warm start" in proc.stdout
@@ -60,9 +64,16 @@ def test_demo_pipeline_end_to_end(tmp_path):
     assert summary["sft_steps"] == 4 and summary["rl_steps"] == 3
     assert summary["eval_accuracy_after_sft"] is not None
     assert summary["eval_accuracy_final"] is not None
-    # run.compile_ahead: the evaluation's and the rollouts' sampler programs were compiled
-    # while SFT trained, and both guesses were the programs that ran.
-    assert summary["compile"]["ahead"] == {"programs": 2, "used": 2}
+    # run.compile_ahead: the evaluation's and the rollouts' sampler programs, then the GRPO
+    # phase's prepare and update (for a stand-in of its first rollouts), were compiled while
+    # SFT trained, and every guess was the program that ran: the first GRPO step compiled
+    # and loaded nothing.
+    assert summary["compile"]["ahead"] == {
+        "programs": 2,
+        "used": 2,
+        "step_programs": 2,
+        "step_used": True,
+    }
     assert (run_dir / "config.yaml").exists()
     assert sorted(p.name for p in (run_dir / "plots").glob("*.png"))
     assert (run_dir / "checkpoints").is_dir()
@@ -131,6 +142,11 @@ def test_other_algorithms_run(tmp_path, algo, extra):
     assert len(lines) == 4
     if algo == "ppo":
         assert "vf_loss" in lines[-1]
+    # The RL phase's prepare and update were compiled ahead for a stand-in of its first
+    # rollouts (gold answers); the tiny policy writes 12 tokens after 2 SFT steps, so its rows
+    # land in another bucket: the first step compiled its own programs and trained on.
+    ahead = json.loads((run_dir / "summary.json").read_text())["compile"]["ahead"]
+    assert ahead["step_programs"] == 2 and ahead["step_used"] is False
 
 
 @pytest.mark.slow

@@ -281,6 +281,20 @@ class CompiledAlgorithm:
             placed = shard_batch(rollouts, self.mesh)
         return self._prepare(state, placed)
 
+    def lower_step(self, state: Any, rollouts: batch_lib.Batch) -> list[jax.stages.Lowered]:
+        """``prepare`` and ``update`` lowered, not run, for ``state`` (its arrays, or their
+        ``jax.ShapeDtypeStruct`` shapes with the state's shardings) and the host ``rollouts``
+        (validated and placed as ``prepare`` places them): compiled, they are the programs a
+        step of the same shapes runs (jit keeps what it compiles), so a step's programs can
+        compile ahead of it (``phases.rl.RLPhase.programs_ahead``). One process only."""
+        batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
+        rows = np.shape(rollouts.input_ids)[0]
+        check_microbatch_split(rows, self.algorithm.rollout_spec.num_microbatches, self.mesh)
+        placed = shard_batch(rollouts, self.mesh)
+        prepare = self._prepare.lower(state, placed)
+        batch, _ = jax.eval_shape(self._prepare, state, placed)  # weak types kept
+        return [prepare, self._update.lower(state, batch)]
+
     def lower_update(self, state: Any, batch: Any) -> jax.stages.Lowered:
         """The compiled update's program lowered for ``state`` and ``batch`` (arrays or their
         ``jax.ShapeDtypeStruct`` shapes): ``.compile().memory_analysis()`` gives its memory

@@ -52,6 +52,14 @@ class RolloutPass:
         fields, metrics)."""
         return rollouts, {}
 
+    def stand_in(self, rollouts: batch_lib.Batch, *, step: int) -> batch_lib.Batch | None:
+        """The rollouts as ``device`` would hand them on, for rollouts that stand in for a
+        step's (compiling the learner's programs ahead: ``phases.rl.RLPhase.programs_ahead``),
+        computed without a state: the fields' shapes and dtypes are what counts. None where
+        the pass cannot tell without running (by default a pass with a device part): then
+        nothing is compiled ahead."""
+        return rollouts if self.where == "host" else None
+
     def finish(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step's prepare and update metrics (on the host) as the pass reports them."""
         return metrics

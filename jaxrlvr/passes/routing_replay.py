@@ -104,21 +104,34 @@ class RoutingReplay(RolloutPass):
             self._fns[name] = jax.jit(lambda p, b: fn(self.graphdef, p, b))
         return self._fns[name]
 
+    def _full(self, step: int) -> bool:
+        return self.metrics == "full" and step % self.every == 0
+
+    def _unreplayed(self, rollouts, step: int):
+        """Replay off: the recorded routes move to ``sampler_routes`` for the basic metrics."""
+        basic = self.metrics != "off" and not self._full(step)
+        return rollouts.replace(routes=None, sampler_routes=rollouts.routes if basic else None)
+
     def device(self, state, rollouts, *, step):
-        recorded, metrics = rollouts.routes, {}
-        if recorded is None:
+        metrics = {}
+        if rollouts.routes is None:
             return rollouts, metrics
-        full = self.metrics == "full" and step % self.every == 0
-        if full and rollouts.sampler_logp is not None:
+        if self._full(step) and rollouts.sampler_logp is not None:
             out = self._fn("route_metrics")(state.params, rollouts)
             metrics = {k: float(v) for k, v in jax.device_get(out).items()}
         if self.mode == "r2":
             live = self._fn("trainer_routes")(state.params, rollouts.replace(routes=None))
             rollouts = rollouts.replace(routes=np.asarray(live).astype(np.int16))
         elif self.mode == "none":
-            basic = self.metrics != "off" and not full
-            rollouts = rollouts.replace(routes=None, sampler_routes=recorded if basic else None)
+            rollouts = self._unreplayed(rollouts, step)
         return rollouts, metrics
+
+    def stand_in(self, rollouts, *, step):
+        """r3 hands the recorded routes on and replay off moves them; r2's come from a
+        forward under the state's parameters (None: not stood in)."""
+        if rollouts.routes is None or self.mode == "r3":
+            return rollouts
+        return self._unreplayed(rollouts, step) if self.mode == "none" else None
 
     def finish(self, metrics):
         return routing.shares(metrics)

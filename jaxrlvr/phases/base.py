@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -280,6 +281,8 @@ class Phase:
         self.position = 0  # steps done
         self.state = None
         self.compiled: step_lib.CompiledAlgorithm | None = None
+        # The thread compiling ``programs_ahead`` (set by the run); the first step joins it.
+        self.ahead: threading.Thread | None = None
 
     # -- what the run asks the phase before it is built -------------------------------------------
     # Each of these gets the phase's ``view`` of the config: its own sections only.
@@ -368,12 +371,27 @@ class Phase:
 
     def enter(self, params: nnx.State, rng: jax.Array) -> None:
         """The phase's record, its fresh state from ``params``, and the compiled prepare/update."""
+        self.build_compiled()
+        self.state = jax.device_put(self.algorithm.init(params, rng), self.shardings)
+
+    def build_compiled(self) -> None:
+        """The phase's record, its state's shardings and its compiled prepare/update, built
+        once: by ``enter``, or before it by ``programs_ahead`` (``enter`` then runs the
+        programs compiled ahead, which belong to these jit objects)."""
+        if self.compiled is not None:
+            return
         self.algorithm = self.make_algorithm()
         _, self.shardings = checkpoint_lib.abstract_state(
             self.algorithm, self.ctx.params_shape, self.ctx.mesh
         )
-        self.state = jax.device_put(self.algorithm.init(params, rng), self.shardings)
         self.compiled = step_lib.CompiledAlgorithm(self.algorithm, self.ctx.mesh, self.shardings)
+
+    def programs_ahead(self) -> list[jax.stages.Lowered]:
+        """Programs of the phase's first step, lowered (tracing holds the GIL, so on the
+        caller's thread) for the run to compile on a background thread while an earlier phase
+        trains (``run.compile_ahead``); the first step then waits for ``ahead``, the thread
+        that compiles them. None by default."""
+        return []
 
     def abstract_state(self):
         """The state's shape with its target shardings: what a checkpoint restores into."""

@@ -189,6 +189,13 @@ class Learner:
             metrics["offpolicy/behaviour_exact"] = float(exact)
         return jax.block_until_ready(batch), metrics
 
+    def lowered(self, state, rollouts, microbatches: int | None = None):
+        """The step's prepare and update lowered for ``state`` (shapes suffice) and host
+        ``rollouts`` after the passes' device parts (``CompiledAlgorithm.lower_step``)."""
+        compiled = self.compiled_for(microbatches)
+        fields = algorithm_lib.select_fields(rollouts, compiled.algorithm.rollout_spec)
+        return compiled.lower_step(state, fields)
+
     def keep_version(self, params, t: int) -> None:
         """Before the update of step ``t``: keep a copy of the current parameters (version ``t``)
         while a batch it samples is still to be trained, and drop the versions no batch needs

@@ -24,9 +24,10 @@ from typing import ClassVar
 import jax
 import numpy as np
 
+from jaxrlvr import compile_cache, configlib, distributed
 from jaxrlvr import config as config_lib
-from jaxrlvr import configlib, distributed
 from jaxrlvr import metrics as metrics_lib
+from jaxrlvr.data import templates
 from jaxrlvr.phases import base, learner, sources
 
 
@@ -87,22 +88,67 @@ class RLPhase(base.RLStepsPhase):
         super().__init__(ctx, cfg)
         self.source = self.source_cls(ctx, self.cfg.rl, self.cfg.sampler, self.cfg.run.seed)
         self.learner: learner.Learner | None = None
+        self.ahead_used: bool | None = None  # whether the first step ran ``programs_ahead``'s
 
     def enter(self, params, rng) -> None:
         super().enter(params, rng)
-        ctx = self.ctx
-        self.learner = learner.Learner(
-            self.cfg.rl,
-            self.cfg.sampler.max_tokens,
-            self.make_algorithm,
-            self.compiled,
-            ctx.mesh,
-            self.shardings,
-            pad_id=ctx.pad_id,
-            max_length=ctx.model_cfg.max_position_embeddings,
-            row_block=ctx.row_block,
-            passes=ctx.passes,
+        self._build_learner()
+
+    def _build_learner(self) -> learner.Learner:
+        """The phase's learner, built once (``enter``, or before it ``programs_ahead``)."""
+        if self.learner is None:
+            self.build_compiled()
+            ctx = self.ctx
+            self.learner = learner.Learner(
+                self.cfg.rl,
+                self.cfg.sampler.max_tokens,
+                self.make_algorithm,
+                self.compiled,
+                ctx.mesh,
+                self.shardings,
+                pad_id=ctx.pad_id,
+                max_length=ctx.model_cfg.max_position_embeddings,
+                row_block=ctx.row_block,
+                passes=ctx.passes,
+            )
+        return self.learner
+
+    def programs_ahead(self):
+        """The first step's prepare and update, lowered for a stand-in of its rollouts
+        (``RolloutSource.stand_in``: each group half the gold completions an SFT warm start
+        teaches, half wrong ones) shaped, budgeted and through the passes as a step's are.
+        Their shapes are a guess: a first step whose rollouts land in other buckets (rows,
+        length, microbatches) compiles its own programs, as without this. [] where nothing
+        stands in: a sampler or pass that cannot (vLLM, a teacher's scores, r2 replay), the
+        multi-turn source, several processes, a phase already started."""
+        if self.position > 0 or jax.process_count() > 1 or self.ctx.row_block[1] > 1:
+            return []
+        data = self.cfg.data
+        formats = {m.domain: m.data.gold_format for m in data.mixture}
+
+        def answer(p, right: bool) -> str:
+            fmt = formats.get(p.domain, data.gold_format)
+            return templates.render_gold(fmt, p.answer if right else f"{p.answer}0", p.solution)
+
+        graded = self.source.stand_in(answer)
+        if graded is None:
+            return []
+        lrn = self._build_learner()
+        rollouts, _ = lrn.shape(
+            graded.prompts, graded.completions, graded.scores, 0, fields=graded.fields
         )
+        rollouts, microbatches = lrn.fit_budget(rollouts)
+        for p in self.ctx.passes:
+            rollouts = p.stand_in(rollouts, step=0)
+            if rollouts is None:
+                return []
+        shape = jax.eval_shape(self.algorithm.init, self.ctx.params_shape, 0)
+        state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+            shape,
+            self.shardings,
+        )
+        return lrn.lowered(state, rollouts, microbatches)
 
     def state_dict(self):
         return self.source.state_dict()
@@ -139,6 +185,10 @@ class RLPhase(base.RLStepsPhase):
         if self.cfg.rl.max_tokens_per_microbatch is not None:  # the rows fit_budget chose
             out["tokens/batch_shape_B"] = int(np.shape(rollouts.input_ids)[0])
             out["tokens/padding_fraction"] = 1.0 - float(np.mean(rollouts.attention_mask))
+        ahead, self.ahead, counter = self.ahead, None, None
+        if ahead is not None:  # the programs compiled ahead (``programs_ahead``)
+            ahead.join()
+            counter = compile_cache.CompileCounter().start()
         with timer.phase("logprobs"):
             batch, prepare_m = self.learner.prepare(
                 self.state, rollouts, microbatches, version=graded.version, current=t
@@ -147,6 +197,9 @@ class RLPhase(base.RLStepsPhase):
         with timer.phase("update"):
             self.state, update_m = self.learner.update(self.state, batch, microbatches)
             update_m, prepare_m = jax.device_get((update_m, prepare_m))
+        if counter is not None:  # nothing compiled or loaded: the guess held
+            counter.stop()
+            self.ahead_used = counter.compiles + counter.cache_hits == 0
         device_m = self.learner.finish({**prepare_m, **update_m})
         self.source.wait(timer)
         with timer.phase("sync"):

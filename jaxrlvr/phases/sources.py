@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxrlvr import config as config_lib
-from jaxrlvr import distributed
+from jaxrlvr import distributed, prompts
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import iterators, loading, shards
 from jaxrlvr.envs import multi_turn
@@ -258,16 +259,48 @@ class RolloutSource:
             }
         with timer.phase("reward"):
             scores, grading_stats = self.grade(problems, completions)
-        fields, pass_m = {}, {}
-        for p in self.ctx.passes:  # each pass's host part (teacher scores, route checks)
-            with timer.phase(p.name) if p.timed_on_host else contextlib.nullcontext():
-                f, pm = p.host(problems, prompt_ids, completions)
-            fields.update(f)
-            pass_m.update(pm)
+        fields, pass_m = self._host_passes(problems, prompt_ids, completions, timer)
         metrics = {**sample_m, **grading_stats.as_metrics(), **m, **pass_m}
         if self.rl.retire_pass_rate is not None:
             metrics["data/retired"] = float(self.iterator.num_retired)
         return GradedRollouts(prompt_ids, completions, scores, metrics, version, generate_s, fields)
+
+    def _host_passes(self, problems, prompt_ids, completions, timer=None):
+        """(fields, metrics) of each rollout pass's host part (teacher scores, route checks)."""
+        fields, metrics = {}, {}
+        for p in self.ctx.passes:
+            timed = timer is not None and p.timed_on_host
+            with timer.phase(p.name) if timed else contextlib.nullcontext():
+                f, pm = p.host(problems, prompt_ids, completions)
+            fields.update(f)
+            metrics.update(pm)
+        return fields, metrics
+
+    def stand_in(self, answers: Callable[[loading.Problem, bool], str]) -> GradedRollouts | None:
+        """A stand-in of the next step's graded rollouts, for compiling the learner's programs
+        for their shapes ahead of the step (``RLPhase.programs_ahead``): the problems
+        ``first_calls`` says the step will sample, each group's completions alternating
+        ``answers(problem, True)`` and ``answers(problem, False)`` (the phase's guess: what an
+        SFT warm start teaches, right and wrong, so the groups' rewards vary as real ones do),
+        at most ``sampler.max_tokens`` each, built by the sampler's ``stand_in`` with the
+        fields its completions carry, graded and through the passes' host parts like a real
+        step's. Nothing is sampled and nothing the run draws from (data order, seeds,
+        curriculum) moves. None where the sampler cannot stand in (vLLM) or nothing is
+        compiled ahead (several data shards)."""
+        stand_in = getattr(self.ctx.sampler, "stand_in", None)
+        calls = self.first_calls()
+        if stand_in is None or not calls:
+            return None
+        problems, n = calls[-1]
+        tok = self.ctx.tokenizer
+        prompt_ids = self.ctx.encode_prompts(problems)
+        texts = [answers(p, j % 2 == 0) for p in problems for j in range(n)]
+        ids = [t[: self.sampler_cfg.max_tokens] for t in prompts.encode_many(tok, texts)]
+        params = prompts.sampling_params(self.sampler_cfg, tok, eval_mode=False, seed=0)
+        completions = stand_in(prompt_ids, ids, params)
+        scores, _ = self.score(problems, completions, n)
+        fields, _ = self._host_passes(problems, prompt_ids, completions)
+        return GradedRollouts(prompt_ids, completions, scores, {}, fields=fields)
 
     def wait(self, timer: metrics_lib.PhaseTimer) -> None:
         """The one place the trainer waits for rollouts: step t + k's batch must be finished by

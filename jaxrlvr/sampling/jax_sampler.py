@@ -599,6 +599,41 @@ class JaxSampler:
         base.check_prompt_major(out, len(prompts), n)
         return out
 
+    def stand_in(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        completion_token_ids: Sequence[Sequence[int]],
+        sampling_params: base.SamplingParams,
+    ) -> list[base.Completion]:
+        """Completions with the fields ``generate`` gives (log-probs when asked, routes when
+        recorded, in their dtype and layout) around given tokens, ``len(completion_token_ids)
+        / len(prompt_token_ids)`` per prompt, prompt-major, and no generation: a stand-in of a
+        step's rollouts, to compile the trainer's programs for their shapes ahead of time
+        (``phases.rl.RLPhase.programs_ahead``). The values mean nothing (log-probs 0, routes
+        -1: "live")."""
+        n = len(completion_token_ids) // max(len(prompt_token_ids), 1)
+        all_ids = [[int(t) for t in ids] for ids in completion_token_ids]
+        cfg, out = self.cfg, []
+        for r, (ids, text) in enumerate(zip(all_ids, self._decode_all(all_ids))):
+            routes = None
+            if self.record_routes:
+                rows = len(prompt_token_ids[r // n]) + len(ids) - 1
+                shape = (rows, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+                routes = np.full(shape, -1, routes_dtype(cfg))
+            out.append(
+                base.Completion(
+                    prompt_index=r // n,
+                    token_ids=ids,
+                    logprobs=[0.0] * len(ids) if sampling_params.logprobs else [],
+                    text=text,
+                    finish_reason="stop",
+                    weight_version=self.version,
+                    routes=routes,
+                )
+            )
+        base.check_prompt_major(out, len(prompt_token_ids), n)
+        return out
+
     @property
     def batch_multiple(self) -> int:
         """Rows must split evenly over the mesh's batch axes."""

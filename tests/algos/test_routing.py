@@ -530,3 +530,29 @@ def test_reference_and_teacher_passes_route_themselves_unless_told(lm, completio
         config_lib.load_config("configs/demo.yaml", ["rl.reference_routes=r3"])
     run = config_lib.load_config("configs/demo.yaml", ["rl.reference_routes=replay"])
     assert run.rl.reference_routes == "replay"
+
+
+def test_stand_in_completions_and_pass_carry_what_generate_and_device_give(lm, completions):
+    """Compiling the RL step ahead (``RLPhase.programs_ahead``) lowers it for stand-in
+    rollouts: ``JaxSampler.stand_in`` around the same tokens carries every field ``generate``
+    gives in the same shape and dtype (routes [P + C - 1, L, k], log-probs per token), and the
+    routing pass's ``stand_in`` lays them out as its ``device`` part does (replay off: routes
+    moved to ``sampler_routes``; r3: kept), or refuses where the fields need the state (r2)."""
+    from jaxrlvr.passes import routing_replay
+
+    sampler = jax_sampler.JaxSampler(lm, eos_token_ids=[])
+    params = base.SamplingParams(max_tokens=6, temperature=1.0, seed=0, logprobs=True)
+    fake = sampler.stand_in(PROMPTS, [c.token_ids for c in completions], params)
+    for real, got in zip(completions, fake, strict=True):
+        assert got.prompt_index == real.prompt_index and got.token_ids == real.token_ids
+        assert len(got.logprobs) == len(real.logprobs)
+        assert got.routes.shape == real.routes.shape and got.routes.dtype == real.routes.dtype
+    _, batch = _rows(completions, [c.routes for c in completions], batch_size=4)
+    _, fake_batch = _rows(fake, [c.routes for c in fake], batch_size=4)
+    for mode in ("none", "r3"):
+        rp = routing_replay.RoutingReplay(CFG, None, mode=mode)
+        want, _ = rp.device(None, batch, step=0)
+        got = rp.stand_in(fake_batch, step=0)
+        shapes = lambda b: jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype), b)  # noqa: E731
+        assert shapes(got) == shapes(want), mode
+    assert routing_replay.RoutingReplay(CFG, None, mode="r2").stand_in(fake_batch, step=0) is None
