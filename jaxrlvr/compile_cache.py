@@ -27,7 +27,8 @@ before anything is jitted; a later call with another directory is refused in one
 
 ``CompileCounter`` listens to JAX's monitoring events and counts the XLA compiles of the process
 (``compiles``, ``compile_s``) and the persistent-cache hits (``cache_hits``, ``cache_load_s``),
-so a run's summary can say what it compiled and what it loaded.
+so a run's summary can say what it compiled and what it loaded. ``compile_in_background``
+compiles lowered programs on a thread while the caller works (``run.compile_ahead``).
 """
 
 from __future__ import annotations
@@ -239,3 +240,22 @@ _process_counter = CompileCounter()
 def process_counter() -> CompileCounter:
     """The process's own counter (``train.run`` starts it; a run's summary reports it)."""
     return _process_counter
+
+
+def compile_in_background(programs, *, after: threading.Thread | None = None) -> threading.Thread:
+    """A started daemon thread that waits for ``after`` (e.g. the sampler's compiles ahead),
+    then compiles ``programs`` (``jax.stages.Lowered``, lowered on the caller's thread: tracing
+    holds the GIL) in order; jit keeps what it compiles, so a later call of the same shapes
+    runs them. One that fails to compile is skipped: the call that needs it meets the same
+    error where it would have without this."""
+
+    def work():
+        if after is not None:
+            after.join()
+        for lowered in programs:
+            with contextlib.suppress(Exception):
+                lowered.compile()
+
+    thread = threading.Thread(target=work, name="jaxrlvr-compile-ahead", daemon=True)
+    thread.start()
+    return thread

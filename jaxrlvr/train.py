@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import threading
 import time
 from typing import Any
 
@@ -131,7 +130,6 @@ class Trainer:
                 self.metrics.truncate_after(self.global_step + 1)
         self.progress = None
         self._ahead = None  # the thread compiling programs ahead (``_compile_ahead``)
-        self._step_ahead = None  # (the phase whose first-step programs it compiles, how many)
         # The loop's hooks, in the order they run after a step, after the evaluation, whose
         # period is the phase's (``hooks_for``); a phase adds its own (``Phase.hooks``).
         self.hooks = [
@@ -312,8 +310,7 @@ class Trainer:
         on the demo the RL phase's rollouts and the evaluations then compile while SFT trains.
         Called after the run's first step: the step's own programs compile first, alone (on
         the demo's two cores two compiles at once slowed each other as much as they gained).
-        Then, on the same thread, the next phase's first-step programs (``programs_ahead``:
-        the RL phase's prepare and update for a stand-in of its first rollouts)."""
+        Then the next phase's first-step programs (``Phase.programs_ahead``)."""
         c = self.cfg
         pending = [p for p in self.phases[self.phases.index(self.phase) :] if not p.done]
         per_phase = [p.sampler_calls() for p in pending]
@@ -321,14 +318,8 @@ class Trainer:
             problems = loading.held_out_share(self.ctx.eval_problems, c.eval.max_problems)
             # ``eval.at_start``'s evaluation ran before the first step: the next one is later.
             per_phase.insert(1, [(problems, c.eval.samples_per_problem, c.sampler, True)])
-        self._ahead = self.ctx.compile_ahead([call for calls in per_phase for call in calls])
-        nxt = pending[1] if len(pending) > 1 and jax.process_count() == 1 else None
-        programs = nxt.programs_ahead() if nxt is not None else []
-        if programs:
-            # The next phase's first-step programs (its update: ~10 s of the MoE demo's first
-            # GRPO step), after the sampler's, on one thread: the phase's first step joins it.
-            nxt.ahead = self._ahead = _compile_after(self._ahead, programs)
-            self._step_ahead = (nxt, len(programs))
+        calls = [call for calls in per_phase for call in calls]
+        self._ahead = self.ctx.compile_ahead(calls, then=pending[1] if len(pending) > 1 else None)
 
     def _last_accuracy(self) -> str:
         evals = self.loop.eval_history or list(self.loop.phase_evals.values())
@@ -358,16 +349,8 @@ class Trainer:
             # XLA compiles and persistent-cache loads of this process so far (compile_cache).
             "compile": compile_cache.process_counter().as_dict(),
         }
-        ahead = getattr(self.ctx.sampler, "compiled_ahead", None)
-        if self._ahead is not None and ahead is not None:
-            # Sampler programs compiled ahead (``run.compile_ahead``), and how many ran.
-            summary["compile"]["ahead"] = ahead()
-        if self._step_ahead is not None:
-            # The next phase's first-step programs compiled ahead, and whether that step ran
-            # them (its rollouts landed in the stand-in's shapes).
-            phase, n = self._step_ahead
-            used = getattr(phase, "ahead_used", None)
-            summary["compile"].setdefault("ahead", {}).update(step_programs=n, step_used=used)
+        if self._ahead is not None and (ahead := self.ctx.compiled_ahead(self.phases)):
+            summary["compile"]["ahead"] = ahead  # what ``run.compile_ahead`` compiled, and ran
         if self.metrics is not None:
             self.metrics.write_summary(summary)
         return summary
@@ -413,20 +396,3 @@ def run(
     print(f"plots: {plots_dir}")
     print(f"checkpoints: {summary['checkpoints']}")
     return summary
-
-
-def _compile_after(before: threading.Thread | None, programs) -> threading.Thread:
-    """A started daemon thread that waits for ``before`` (the sampler's compiles ahead), then
-    compiles ``programs`` (``jax.stages.Lowered``) in order; one that fails to compile is
-    skipped (the step that needs it meets the same error where it would have without this)."""
-
-    def work():
-        if before is not None:
-            before.join()
-        for lowered in programs:
-            with contextlib.suppress(Exception):
-                lowered.compile()
-
-    thread = threading.Thread(target=work, name="jaxrlvr-compile-ahead", daemon=True)
-    thread.start()
-    return thread

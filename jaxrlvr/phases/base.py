@@ -30,9 +30,9 @@ import jax
 from flax import nnx
 
 from jaxrlvr import checkpoint as checkpoint_lib
+from jaxrlvr import compile_cache, prompts
 from jaxrlvr import config as config_lib
 from jaxrlvr import model as model_lib
-from jaxrlvr import prompts
 from jaxrlvr.algos import algorithm as algorithm_lib
 from jaxrlvr.algos import registry
 from jaxrlvr.algos import step as step_lib
@@ -142,25 +142,46 @@ class RunContext:
         return prompt_ids, completions, scores, stats
 
     def compile_ahead(
-        self, calls: list[tuple[list[loading.Problem], int, config_lib.SamplerSection, bool]]
+        self,
+        calls: list[tuple[list[loading.Problem], int, config_lib.SamplerSection, bool]],
+        then: Phase | None = None,
     ):
         """Starts compiling, on a background thread, the sampler programs that ``sample`` will
         run for ``calls`` (problems, samples per problem, sampler section, eval mode), in that
-        order; returns the thread, or None where nothing is compiled ahead: a sampler that
-        compiles nothing (vLLM, the multi-turn wrapper) or a multi-process job (its processes
-        must compile the same programs in the same order). A call whose shapes differ from the
-        guess just compiles its own program, as without this."""
-        precompile = getattr(self.sampler, "precompile_in_background", None)
-        if precompile is None or self.row_block[1] > 1 or jax.process_count() > 1:
+        order, then the first-step programs of the phase ``then`` (``Phase.programs_ahead``;
+        its first step joins the thread, ``Phase.ahead``). Returns the thread, or None where
+        nothing is compiled ahead: a multi-process job (its processes must compile the same
+        programs in the same order), and for the sampler's part a sampler that compiles
+        nothing (vLLM, the multi-turn wrapper). A call whose shapes differ from the guess just
+        compiles its own program, as without this."""
+        if self.row_block[1] > 1 or jax.process_count() > 1:
             return None
-        jobs = []
-        for problems, n, sampler_cfg, eval_mode in calls:
+        thread, jobs = None, []
+        precompile = getattr(self.sampler, "precompile_in_background", None)
+        for problems, n, sampler_cfg, eval_mode in calls if precompile is not None else ():
             if problems and sampler_cfg.kind == "jax":
                 params = prompts.sampling_params(
                     sampler_cfg, self.tokenizer, eval_mode=eval_mode, seed=0
                 )
                 jobs.append((self.encode_prompts(problems), n, params))
-        return precompile(jobs) if jobs else None
+        if jobs:
+            thread = precompile(jobs)
+        programs = then.programs_ahead() if then is not None else []
+        if programs:
+            thread = then.ahead = compile_cache.compile_in_background(programs, after=thread)
+            then.ahead_programs = len(programs)
+        return thread
+
+    def compiled_ahead(self, phases: list[Phase]) -> dict[str, Any]:
+        """What ``compile_ahead`` compiled and how much of it ran: the sampler's programs
+        (``programs``, ``used``) and a phase's first-step programs (``step_programs``;
+        ``step_used``: whether its first step ran them, compiling and loading nothing)."""
+        ahead = getattr(self.sampler, "compiled_ahead", None)
+        out = dict(ahead()) if ahead is not None else {}
+        for p in phases:
+            if p.ahead_programs:
+                out.update(step_programs=p.ahead_programs, step_used=p.ahead_used)
+        return out
 
     def close(self) -> None:
         """Stops the sampler and the grading pool (each even if the other fails)."""
@@ -281,8 +302,11 @@ class Phase:
         self.position = 0  # steps done
         self.state = None
         self.compiled: step_lib.CompiledAlgorithm | None = None
-        # The thread compiling ``programs_ahead`` (set by the run); the first step joins it.
+        # The thread compiling ``programs_ahead`` (``RunContext.compile_ahead``), joined by the
+        # first step; how many programs; whether the first step ran them (set by the phase).
         self.ahead: threading.Thread | None = None
+        self.ahead_programs = 0
+        self.ahead_used: bool | None = None
 
     # -- what the run asks the phase before it is built -------------------------------------------
     # Each of these gets the phase's ``view`` of the config: its own sections only.

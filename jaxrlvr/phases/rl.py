@@ -88,7 +88,6 @@ class RLPhase(base.RLStepsPhase):
         super().__init__(ctx, cfg)
         self.source = self.source_cls(ctx, self.cfg.rl, self.cfg.sampler, self.cfg.run.seed)
         self.learner: learner.Learner | None = None
-        self.ahead_used: bool | None = None  # whether the first step ran ``programs_ahead``'s
 
     def enter(self, params, rng) -> None:
         super().enter(params, rng)
