@@ -52,13 +52,19 @@ class RolloutPass:
         fields, metrics)."""
         return rollouts, {}
 
-    def stand_in(self, rollouts: batch_lib.Batch, *, step: int) -> batch_lib.Batch | None:
-        """The rollouts as ``device`` would hand them on, for rollouts that stand in for a
-        step's (compiling the learner's programs ahead: ``phases.rl.RLPhase.programs_ahead``),
-        computed without a state: the fields' shapes and dtypes are what counts. None where
-        the pass cannot tell without running (by default a pass with a device part): then
-        nothing is compiled ahead."""
-        return rollouts if self.where == "host" else None
+    @property
+    def can_stand_in(self) -> bool:
+        """Whether ``host`` and ``stand_in`` can run on rollouts that stand in for a step's
+        (compiling the learner's programs ahead: ``phases.rl.RLPhase.programs_ahead``) without
+        a state or any outside effect. By default a pass without a device part: one that has
+        one cannot say what it would hand on without running (then nothing is compiled
+        ahead, and its host part never sees stand-ins)."""
+        return self.where == "host"
+
+    def stand_in(self, rollouts: batch_lib.Batch, *, step: int) -> batch_lib.Batch:
+        """The rollouts as ``device`` would hand them on, computed without a state (the fields'
+        shapes and dtypes are what counts), for a pass that ``can_stand_in``."""
+        return rollouts
 
     def finish(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step's prepare and update metrics (on the host) as the pass reports them."""

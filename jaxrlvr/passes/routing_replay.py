@@ -126,12 +126,16 @@ class RoutingReplay(RolloutPass):
             rollouts = self._unreplayed(rollouts, step)
         return rollouts, metrics
 
+    @property
+    def can_stand_in(self) -> bool:
+        """r2's routes come from a forward under the state's parameters."""
+        return self.mode != "r2"
+
     def stand_in(self, rollouts, *, step):
-        """r3 hands the recorded routes on and replay off moves them; r2's come from a
-        forward under the state's parameters (None: not stood in)."""
-        if rollouts.routes is None or self.mode == "r3":
+        """r3 hands the recorded routes on and replay off moves them."""
+        if rollouts.routes is None or self.mode != "none":
             return rollouts
-        return self._unreplayed(rollouts, step) if self.mode == "none" else None
+        return self._unreplayed(rollouts, step)
 
     def finish(self, metrics):
         return routing.shares(metrics)

@@ -24,7 +24,7 @@ from typing import ClassVar
 import jax
 import numpy as np
 
-from jaxrlvr import compile_cache, configlib, distributed
+from jaxrlvr import compile_cache, configlib, distributed, prompts
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
 from jaxrlvr.data import templates
@@ -122,6 +122,13 @@ class RLPhase(base.RLStepsPhase):
         multi-turn source, several processes, a phase already started."""
         if self.position > 0 or jax.process_count() > 1 or self.ctx.row_block[1] > 1:
             return []
+        try:
+            return self._programs_ahead()
+        except Exception as err:  # noqa: BLE001 (a guess: the step compiles its own programs)
+            prompts.log(f"the RL phase's first step is not compiled ahead: {err}".splitlines()[0])
+            return []
+
+    def _programs_ahead(self):
         data = self.cfg.data
         formats = {m.domain: m.data.gold_format for m in data.mixture}
 
@@ -139,8 +146,6 @@ class RLPhase(base.RLStepsPhase):
         rollouts, microbatches = lrn.fit_budget(rollouts)
         for p in self.ctx.passes:
             rollouts = p.stand_in(rollouts, step=0)
-            if rollouts is None:
-                return []
         shape = jax.eval_shape(self.algorithm.init, self.ctx.params_shape, 0)
         state = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),

@@ -285,11 +285,14 @@ class RolloutSource:
         at most ``sampler.max_tokens`` each, built by the sampler's ``stand_in`` with the
         fields its completions carry, graded and through the passes' host parts like a real
         step's. Nothing is sampled and nothing the run draws from (data order, seeds,
-        curriculum) moves. None where the sampler cannot stand in (vLLM) or nothing is
-        compiled ahead (several data shards)."""
+        curriculum) moves. None where the sampler or a pass cannot stand in (vLLM; a
+        teacher's scores, r2 replay: ``RolloutPass.can_stand_in``) or nothing is compiled ahead
+        (several data shards)."""
         stand_in = getattr(self.ctx.sampler, "stand_in", None)
+        if stand_in is None or not all(p.can_stand_in for p in self.ctx.passes):
+            return None
         calls = self.first_calls()
-        if stand_in is None or not calls:
+        if not calls:
             return None
         problems, n = calls[-1]
         tok = self.ctx.tokenizer

@@ -537,7 +537,7 @@ def test_stand_in_completions_and_pass_carry_what_generate_and_device_give(lm, c
     rollouts: ``JaxSampler.stand_in`` around the same tokens carries every field ``generate``
     gives in the same shape and dtype (routes [P + C - 1, L, k], log-probs per token), and the
     routing pass's ``stand_in`` lays them out as its ``device`` part does (replay off: routes
-    moved to ``sampler_routes``; r3: kept), or refuses where the fields need the state (r2)."""
+    moved to ``sampler_routes``; r3: kept), or says it cannot where they need the state (r2)."""
     from jaxrlvr.passes import routing_replay
 
     sampler = jax_sampler.JaxSampler(lm, eos_token_ids=[])
@@ -555,4 +555,4 @@ def test_stand_in_completions_and_pass_carry_what_generate_and_device_give(lm, c
         got = rp.stand_in(fake_batch, step=0)
         shapes = lambda b: jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype), b)  # noqa: E731
         assert shapes(got) == shapes(want), mode
-    assert routing_replay.RoutingReplay(CFG, None, mode="r2").stand_in(fake_batch, step=0) is None
+    assert not routing_replay.RoutingReplay(CFG, None, mode="r2").can_stand_in
