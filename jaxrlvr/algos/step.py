@@ -269,6 +269,10 @@ class CompiledAlgorithm:
         )
 
     def prepare(self, state: state_lib.TrainState, rollouts: batch_lib.Batch):
+        return self._prepare(state, self._place(rollouts))
+
+    def _place(self, rollouts: batch_lib.Batch) -> batch_lib.Batch:
+        """The host ``rollouts`` validated and placed on the mesh, as ``_prepare`` takes them."""
         batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
         rows = np.shape(rollouts.input_ids)[0]
         if self.local_rows:
@@ -276,21 +280,16 @@ class CompiledAlgorithm:
             rows = np.shape(rollouts.input_ids)[0] * process_row_block(self.mesh)[1]
         check_microbatch_split(rows, self.algorithm.rollout_spec.num_microbatches, self.mesh)
         if self.local_rows:
-            placed = shard_local_batch(rollouts, self.mesh)
-        else:
-            placed = shard_batch(rollouts, self.mesh)
-        return self._prepare(state, placed)
+            return shard_local_batch(rollouts, self.mesh)
+        return shard_batch(rollouts, self.mesh)
 
     def lower_step(self, state: Any, rollouts: batch_lib.Batch) -> list[jax.stages.Lowered]:
         """``prepare`` and ``update`` lowered, not run, for ``state`` (its arrays, or their
         ``jax.ShapeDtypeStruct`` shapes with the state's shardings) and the host ``rollouts``
         (validated and placed as ``prepare`` places them): compiled, they are the programs a
         step of the same shapes runs (jit keeps what it compiles), so a step's programs can
-        compile ahead of it (``phases.rl.RLPhase.programs_ahead``). One process only."""
-        batch_lib.validate_batch(rollouts, self.algorithm.rollout_spec)
-        rows = np.shape(rollouts.input_ids)[0]
-        check_microbatch_split(rows, self.algorithm.rollout_spec.num_microbatches, self.mesh)
-        placed = shard_batch(rollouts, self.mesh)
+        compile ahead of it (``phases.rl.RLPhase.programs_ahead``)."""
+        placed = self._place(rollouts)
         prepare = self._prepare.lower(state, placed)
         batch, _ = jax.eval_shape(self._prepare, state, placed)  # weak types kept
         return [prepare, self._update.lower(state, batch)]

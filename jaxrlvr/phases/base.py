@@ -414,7 +414,7 @@ class Phase:
         """Programs of the phase's first step, lowered (tracing holds the GIL, so on the
         caller's thread) for the run to compile on a background thread while an earlier phase
         trains (``run.compile_ahead``); the first step then waits for ``ahead``, the thread
-        that compiles them. None by default."""
+        that compiles them. None by default ([])."""
         return []
 
     def abstract_state(self):
