@@ -28,11 +28,13 @@ before anything is jitted; a later call with another directory is refused in one
 ``CompileCounter`` listens to JAX's monitoring events and counts the XLA compiles of the process
 (``compiles``, ``compile_s``) and the persistent-cache hits (``cache_hits``, ``cache_load_s``),
 so a run's summary can say what it compiled and what it loaded. ``compile_in_background``
-compiles lowered programs on a thread while the caller works (``run.compile_ahead``).
+compiles lowered programs on a thread while the caller works (``run.compile_ahead``), and
+``beside`` runs the lowering itself on a thread beside a step that compiles its own programs.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -242,16 +244,26 @@ def process_counter() -> CompileCounter:
     return _process_counter
 
 
-def compile_in_background(programs, *, after: threading.Thread | None = None) -> threading.Thread:
-    """A started daemon thread that waits for ``after`` (e.g. the sampler's compiles ahead),
-    then compiles ``programs`` (``jax.stages.Lowered``, lowered on the caller's thread: tracing
-    holds the GIL) in order; jit keeps what it compiles, so a later call of the same shapes
-    runs them. One that fails to compile is skipped: the call that needs it meets the same
-    error where it would have without this."""
+def wait_for(after: threading.Thread | threading.Event | None) -> None:
+    """Blocks until ``after`` is done: a thread has ended, an event is set (None: at once)."""
+    if isinstance(after, threading.Event):
+        after.wait()
+    elif after is not None:
+        after.join()
+
+
+def compile_in_background(
+    programs, *, after: threading.Thread | threading.Event | None = None
+) -> threading.Thread:
+    """A started daemon thread that waits for ``after`` (``wait_for``: e.g. the sampler's
+    compiles ahead, or the end of the run's first step), then compiles ``programs``
+    (``jax.stages.Lowered``, lowered on the caller's thread: tracing holds the GIL) in order;
+    jit keeps what it compiles, so a later call of the same shapes runs them. One that fails
+    to compile is skipped: the call that needs it meets the same error where it would have
+    without this."""
 
     def work():
-        if after is not None:
-            after.join()
+        wait_for(after)
         for lowered in programs:
             with contextlib.suppress(Exception):
                 lowered.compile()
@@ -259,3 +271,19 @@ def compile_in_background(programs, *, after: threading.Thread | None = None) ->
     thread = threading.Thread(target=work, name="jaxrlvr-compile-ahead", daemon=True)
     thread.start()
     return thread
+
+
+def beside(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """``fn(*args, **kwargs)`` started on a daemon thread; the returned future gives its result
+    or raises its error. For tracing and lowering programs ahead while the caller's own step
+    runs XLA's compile, which releases the GIL (``train``: the run's first step)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 (handed to the caller by ``result``)
+            future.set_exception(err)
+
+    threading.Thread(target=work, name="jaxrlvr-lower-ahead", daemon=True).start()
+    return future

@@ -40,8 +40,9 @@ class RunConfig:
     (``compile_cache``): "auto" (``$JAXRLVR_COMPILE_CACHE``, else ~/.cache/jaxrlvr/jax-compile),
     "off", or a directory; a second run of the same config then loads its programs instead of
     compiling them. ``compile_ahead``: after the run's first step, the JAX sampler's later
-    programs (the evaluation's, the RL phase's rollouts) are compiled on a background thread
-    while the first phase trains (``RunContext.compile_ahead``)."""
+    programs (the evaluation's, the RL phase's rollouts) and the next phase's first-step
+    programs are compiled on a background thread while the first phase trains; a first step
+    that samples nothing runs beside their lowering (``phases.ahead``)."""
 
     out_dir: str = "runs/run"
     seed: int = 0

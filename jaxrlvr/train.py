@@ -47,7 +47,7 @@ from jaxrlvr import (
 from jaxrlvr import checkpoint as checkpoint_lib
 from jaxrlvr import config as config_lib
 from jaxrlvr import metrics as metrics_lib
-from jaxrlvr.data import loading
+from jaxrlvr.phases import ahead as ahead_lib
 from jaxrlvr.phases import base
 
 log = prompts.log
@@ -129,7 +129,7 @@ class Trainer:
                 # Lines after the restored checkpoint were logged by the killed run; drop them.
                 self.metrics.truncate_after(self.global_step + 1)
         self.progress = None
-        self._ahead = None  # the thread compiling programs ahead (``_compile_ahead``)
+        self._ahead: ahead_lib.CompileAhead | None = None  # ``run.compile_ahead`` (``run``)
         # The loop's hooks, in the order they run after a step, after the evaluation, whose
         # period is the phase's (``hooks_for``); a phase adds its own (``Phase.hooks``).
         self.hooks = [
@@ -268,7 +268,8 @@ class Trainer:
         )
         t_start = time.perf_counter()
         stopping = False
-        ahead = self.cfg.run.compile_ahead
+        if ahead := self.cfg.run.compile_ahead:
+            self._ahead = ahead_lib.CompileAhead(self.ctx, self.cfg, self.phases)
         with interrupt.GracefulStop() as stop:
             first = self.phases[0]
             if self.global_step == 0 and self.cfg.eval.at_start and first.eval_every is not None:
@@ -279,10 +280,12 @@ class Trainer:
                 if not phase.done:
                     phase.begin()
                 while not phase.done and not stopping:
+                    if ahead:
+                        self._ahead.before_first_step(phase)
                     m = phase.step()
-                    if ahead:  # after the first step: its own programs compile alone
+                    if ahead:
                         ahead = False
-                        self._compile_ahead()
+                        self._ahead.after_first_step(phase)
                     if phase.done:
                         phase.finish()  # the sampler gets the phase's final weights
                         if phase is not self.phases[-1]:
@@ -302,24 +305,6 @@ class Trainer:
             )
             return {"interrupted": stop.requested, "step": self.global_step}
         return self._summary(time.perf_counter() - t_start)
-
-    def _compile_ahead(self) -> None:
-        """Starts compiling the sampler programs that the run's next steps and evaluations will
-        run, in the order it needs them (the current phase's, the evaluation's, the later
-        phases'), on a background thread (``RunContext.compile_ahead``; ``run.compile_ahead``):
-        on the demo the RL phase's rollouts and the evaluations then compile while SFT trains.
-        Called after the run's first step: the step's own programs compile first, alone (on
-        the demo's two cores two compiles at once slowed each other as much as they gained).
-        Then the next phase's first-step programs (``Phase.programs_ahead``)."""
-        c = self.cfg
-        pending = [p for p in self.phases[self.phases.index(self.phase) :] if not p.done]
-        per_phase = [p.sampler_calls() for p in pending]
-        if any(p.eval_every is not None for p in pending):
-            problems = loading.held_out_share(self.ctx.eval_problems, c.eval.max_problems)
-            # ``eval.at_start``'s evaluation ran before the first step: the next one is later.
-            per_phase.insert(1, [(problems, c.eval.samples_per_problem, c.sampler, True)])
-        calls = [call for calls in per_phase for call in calls]
-        self._ahead = self.ctx.compile_ahead(calls, then=pending[1] if len(pending) > 1 else None)
 
     def _last_accuracy(self) -> str:
         evals = self.loop.eval_history or list(self.loop.phase_evals.values())
@@ -349,7 +334,8 @@ class Trainer:
             # XLA compiles and persistent-cache loads of this process so far (compile_cache).
             "compile": compile_cache.process_counter().as_dict(),
         }
-        if self._ahead is not None and (ahead := self.ctx.compiled_ahead(self.phases)):
+        started = self._ahead is not None and self._ahead.thread is not None
+        if started and (ahead := self.ctx.compiled_ahead(self.phases)):
             summary["compile"]["ahead"] = ahead  # what ``run.compile_ahead`` compiled, and ran
         if self.metrics is not None:
             self.metrics.write_summary(summary)
@@ -357,7 +343,7 @@ class Trainer:
 
     def close(self) -> None:
         if self._ahead is not None:  # a compile in flight ends before the sampler closes
-            self._ahead.join()
+            self._ahead.close()
         closers = [p.close for p in self.phases] + ([self.ctx.close] if self._owns_ctx else [])
         if self.metrics is not None:
             closers.append(self.metrics.close)

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -112,3 +113,28 @@ def test_a_process_killed_mid_write_leaves_a_usable_cache(tmp_path):
     )
     assert "Error writing persistent compilation cache" not in out.stderr
     assert _run(str(directory))["compiles"] == 0
+
+
+def test_compile_in_background_waits_for_after_and_beside_hands_back_errors():
+    """``compile_in_background(after=event)`` compiles nothing before the event is set (the
+    run's first step compiles alone); ``beside`` returns what the function returns and raises
+    what it raised, from the caller's ``result()``."""
+
+    class Lowered:  # the one method compile_in_background calls on a ``jax.stages.Lowered``
+        def __init__(self, name):
+            self.name = name
+
+        def compile(self):
+            compiled.append(self.name)
+
+    compiled, gate = [], threading.Event()
+    thread = compile_cache.compile_in_background([Lowered("a"), Lowered("b")], after=gate)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and compiled == []
+    gate.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and compiled == ["a", "b"]
+
+    assert compile_cache.beside(lambda x, *, y: x + y, 2, y=3).result(timeout=10) == 5
+    with pytest.raises(ValueError, match="no program"):
+        compile_cache.beside(lambda: (_ for _ in ()).throw(ValueError("no program"))).result(10)

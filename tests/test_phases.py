@@ -4,6 +4,7 @@ here, which the loop runs knowing nothing of them: the shape a new phase plugs i
 
 import json
 import pathlib
+import threading
 
 import jax
 import pytest
@@ -146,6 +147,45 @@ def test_the_loop_runs_phases_it_knows_nothing_of(tmp_path, two_phases):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 8))
     assert lines[2]["first/position"] == 3 and lines[2]["eval/accuracy"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("first_samples", [False, True])
+def test_compile_ahead_lowers_beside_a_first_step_that_samples_nothing(
+    tmp_path, two_phases, monkeypatch, first_samples
+):
+    """``run.compile_ahead`` (``phases.ahead``): the programs compiled ahead are lowered on
+    another thread while the run's first step runs, when that step samples nothing, and their
+    compile waits for the step's end; a first step that samples has them lowered after it, on
+    the loop's thread (it could wait for a program compiling ahead)."""
+    monkeypatch.setattr(_First, "samples_train_prompts", first_samples)
+    stepping = threading.Event()
+    step = _First.step
+
+    def first_step(self):
+        stepping.set()
+        return step(self)
+
+    seen = []
+
+    def compile_ahead(ctx, calls, then=None, *, after=None):
+        # Beside the step, the lowering sees it running (it waits for it, up to 10 s).
+        seen.append((threading.current_thread() is threading.main_thread(), stepping.wait(10)))
+        seen.append((then.name, after))
+        return None
+
+    monkeypatch.setattr(_First, "step", first_step)
+    monkeypatch.setattr(base.RunContext, "compile_ahead", compile_ahead)
+    trainer = train.Trainer(_cfg(f"run.out_dir={tmp_path}", "eval.at_start=false"))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    (on_main, saw_step), (then, after) = seen  # called once, for the next phase
+    assert then == "second" and saw_step
+    if first_samples:
+        assert on_main and after is None
+    else:
+        assert not on_main and isinstance(after, threading.Event) and after.is_set()
 
 
 def test_checkpoint_every_0_saves_at_each_phase_end_only(tmp_path, two_phases):

@@ -9,6 +9,7 @@ Modules:
   learner     the RL learner: shaping, token budget, prepare (behaviour versions), update
   preference  PreferencePhase: offline DPO / IPO / SimPO / ORPO on pairs from a file
   tool        ToolPhase and ToolSFTPhase: RL and its warm start on multi-turn tool use
+  ahead       CompileAhead: what the loop compiles ahead while its first phase trains, and when
 
 A new phase is a module with a ``base.Phase`` subclass plus one line in ``PLAN``: the phase
 answers for itself whether a config has it (``wanted``), its batch geometry, checks, data files,

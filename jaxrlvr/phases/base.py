@@ -145,11 +145,14 @@ class RunContext:
         self,
         calls: list[tuple[list[loading.Problem], int, config_lib.SamplerSection, bool]],
         then: Phase | None = None,
+        *,
+        after: threading.Thread | threading.Event | None = None,
     ):
-        """Starts compiling, on a background thread, the sampler programs that ``sample`` will
-        run for ``calls`` (problems, samples per problem, sampler section, eval mode), in that
-        order, then the first-step programs of the phase ``then`` (``Phase.programs_ahead``;
-        its first step joins the thread, ``Phase.ahead``). Returns the thread, or None where
+        """Lowers, here, and starts compiling, on a background thread once ``after`` is done
+        (``compile_cache.wait_for``), the sampler programs that ``sample`` will run for
+        ``calls`` (problems, samples per problem, sampler section, eval mode), in that order,
+        then the first-step programs of the phase ``then`` (``Phase.programs_ahead``; its
+        first step joins the thread, ``Phase.ahead``). Returns the thread, or None where
         nothing is compiled ahead: a multi-process job (its processes must compile the same
         programs in the same order), and for the sampler's part a sampler that compiles
         nothing (vLLM, the multi-turn wrapper). A call whose shapes differ from the guess just
@@ -165,10 +168,12 @@ class RunContext:
                 )
                 jobs.append((self.encode_prompts(problems), n, params))
         if jobs:
-            thread = precompile(jobs)
+            thread = precompile(jobs, after=after)
         programs = then.programs_ahead() if then is not None else []
         if programs:
-            thread = then.ahead = compile_cache.compile_in_background(programs, after=thread)
+            thread = then.ahead = compile_cache.compile_in_background(
+                programs, after=thread or after
+            )
             then.ahead_programs = len(programs)
         return thread
 

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrlvr import compile_cache
 from jaxrlvr import model as M
 from jaxrlvr.model import sharding
 from jaxrlvr.model.buckets import bucket
@@ -469,15 +470,19 @@ class JaxSampler:
         return True
 
     def precompile_in_background(
-        self, calls: Sequence[tuple[Sequence[Sequence[int]], int, base.SamplingParams]]
+        self,
+        calls: Sequence[tuple[Sequence[Sequence[int]], int, base.SamplingParams]],
+        *,
+        after: threading.Thread | threading.Event | None = None,
     ) -> threading.Thread | None:
         """``precompile`` of each ``(prompt_token_ids, n, sampling_params)``: the programs are
         traced and lowered here, then XLA compiles them in turn on a daemon thread (returned,
-        started; None when there is nothing to compile) while the caller works, e.g. the RL
-        phase's rollout program and the evaluation's during the SFT warm start. A ``generate``
-        that needs a program still compiling there waits for it instead of compiling it a
-        second time. A program that fails to compile is skipped: ``generate`` meets the same
-        error where it would have without this.
+        started; None when there is nothing to compile), once ``after`` is done
+        (``compile_cache.wait_for``), while the caller works, e.g. the RL phase's rollout
+        program and the evaluation's during the SFT warm start. A ``generate`` that needs a
+        program still compiling there waits for it instead of compiling it a second time (so
+        ``after`` must not wait for such a ``generate``). A program that fails to compile is
+        skipped: ``generate`` meets the same error where it would have without this.
 
         Tracing and lowering hold the GIL, so they run here and only XLA's compile (which
         releases it) runs on the thread: traced there, they stalled the caller's every step.
@@ -495,6 +500,7 @@ class JaxSampler:
             return None
 
         def work():
+            compile_cache.wait_for(after)
             for key, lowered in pending:
                 try:
                     lowered.compile()
