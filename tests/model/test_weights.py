@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxrlvr import model as M
+from jaxrlvr.model import lora, weights
 
 from . import helpers
 
@@ -354,3 +356,35 @@ def test_corrupt_index(hf_untied, tmp_path):
     hf_untied.torch_model.save_pretrained(tmp_path, max_shard_size="50KB")
     (tmp_path / INDEX).write_text("{not json")
     assert INDEX in load_error(tmp_path)
+
+
+def test_random_init_compiles_at_o1_to_the_default_bits(monkeypatch):
+    """``init_compiler_options``: the random-init program at LLVM -O1 (compiled in under half
+    the default's time) gives the bits of XLA's default -O3, on a Qwen3-MoE with LoRA (its
+    base kernels, experts, router, norms and adapters; bf16 compute); ``XLA_FLAGS``' own
+    level wins (the tests run at -O0, ``tests/conftest.py``)."""
+    assert weights.init_compiler_options() is None
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert weights.init_compiler_options() == {"xla_backend_optimization_level": 1}
+    cfg = M.ModelConfig(
+        vocab_size=96,
+        model_type="qwen3_moe",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        dtype="bfloat16",
+        lora=lora.LoRAConfig(rank=4, alpha=8.0),
+    )
+    lowered = weights.init_state_fn(cfg, seed=5).lower()
+    o1, o3 = (
+        jax.tree.leaves(lowered.compile({"xla_backend_optimization_level": level})())
+        for level in (1, 3)
+    )
+    assert len(o1) == len(o3) > 10
+    for a, b in zip(o1, o3, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
