@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 
 OFF = ("off", "", "none", "false", "0")
 # The cache directory's cap: least recently used programs are evicted past it (the demo's 29
@@ -253,20 +254,27 @@ def wait_for(after: threading.Thread | threading.Event | None) -> None:
 
 
 def compile_in_background(
-    programs, *, after: threading.Thread | threading.Event | None = None
+    programs,
+    *,
+    after: threading.Thread | threading.Event | None = None,
+    then: Callable[[int], None] | None = None,
 ) -> threading.Thread:
     """A started daemon thread that waits for ``after`` (``wait_for``: e.g. the sampler's
     compiles ahead, or the end of the run's first step), then compiles ``programs``
-    (``jax.stages.Lowered``, lowered on the caller's thread: tracing holds the GIL) in order;
-    jit keeps what it compiles, so a later call of the same shapes runs them. One that fails
-    to compile is skipped: the call that needs it meets the same error where it would have
-    without this."""
+    (``jax.stages.Lowered``, lowered on the caller's thread: tracing holds the GIL) in order,
+    calling ``then(i)`` when program i is done; jit keeps what it compiles, so a later call of
+    the same shapes runs them. One that fails to compile is skipped (``then`` still runs): the
+    call that needs it meets the same error where it would have without this."""
 
     def work():
         wait_for(after)
-        for lowered in programs:
-            with contextlib.suppress(Exception):
-                lowered.compile()
+        for i, lowered in enumerate(programs):
+            try:
+                with contextlib.suppress(Exception):
+                    lowered.compile()
+            finally:
+                if then is not None:
+                    then(i)
 
     thread = threading.Thread(target=work, name="jaxrlvr-compile-ahead", daemon=True)
     thread.start()

@@ -117,7 +117,8 @@ def test_a_process_killed_mid_write_leaves_a_usable_cache(tmp_path):
 
 def test_compile_in_background_waits_for_after_and_beside_hands_back_errors():
     """``compile_in_background(after=event)`` compiles nothing before the event is set (the
-    run's first step compiles alone); ``beside`` returns what the function returns and raises
+    run's first step compiles alone), then each program in turn, ``then(i)`` after each;
+    ``beside`` returns what the function returns and raises
     what it raised, from the caller's ``result()``."""
 
     class Lowered:  # the one method compile_in_background calls on a ``jax.stages.Lowered``
@@ -127,13 +128,19 @@ def test_compile_in_background_waits_for_after_and_beside_hands_back_errors():
         def compile(self):
             compiled.append(self.name)
 
-    compiled, gate = [], threading.Event()
-    thread = compile_cache.compile_in_background([Lowered("a"), Lowered("b")], after=gate)
+    class Broken:
+        def compile(self):
+            raise RuntimeError("XLA failed")
+
+    compiled, done, gate = [], [], threading.Event()
+    programs = [Lowered("a"), Broken(), Lowered("b")]
+    thread = compile_cache.compile_in_background(programs, after=gate, then=done.append)
     thread.join(timeout=0.5)
-    assert thread.is_alive() and compiled == []
+    assert thread.is_alive() and compiled == [] and done == []
     gate.set()
     thread.join(timeout=10)
-    assert not thread.is_alive() and compiled == ["a", "b"]
+    # The one that failed is skipped, and said done (a ``generate`` waiting for it goes on).
+    assert not thread.is_alive() and compiled == ["a", "b"] and done == [0, 1, 2]
 
     assert compile_cache.beside(lambda x, *, y: x + y, 2, y=3).result(timeout=10) == 5
     with pytest.raises(ValueError, match="no program"):

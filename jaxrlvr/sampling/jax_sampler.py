@@ -499,19 +499,11 @@ class JaxSampler:
         if not pending:
             return None
 
-        def work():
-            compile_cache.wait_for(after)
-            for key, lowered in pending:
-                try:
-                    lowered.compile()
-                except Exception:  # noqa: BLE001 (the generation itself reports it)
-                    pass
-                finally:
-                    self._compiling[key].set()
-
-        thread = threading.Thread(target=work, name="jaxrlvr-precompile", daemon=True)
-        thread.start()
-        return thread
+        return compile_cache.compile_in_background(
+            [lowered for _, lowered in pending],
+            after=after,
+            then=lambda i: self._compiling[pending[i][0]].set(),
+        )
 
     def _lowered(self, prompt_token_ids, n: int, sampling_params: base.SamplingParams):
         """(``_program_key``, ``jax.stages.Lowered``) of the one program ``generate`` would run
