@@ -366,14 +366,8 @@ def test_random_init_compiles_at_o1_to_the_default_bits(monkeypatch):
     assert weights.init_compiler_options() is None
     monkeypatch.setenv("XLA_FLAGS", "")
     assert weights.init_compiler_options() == {"xla_backend_optimization_level": 1}
-    cfg = M.ModelConfig(
-        vocab_size=96,
+    cfg = M.ModelConfig.tiny(
         model_type="qwen3_moe",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
