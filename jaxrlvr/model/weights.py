@@ -525,7 +525,7 @@ def init_compiler_options() -> dict[str, int] | None:
     -O1. They are threefry bit mixing and the normal distribution's transform, which compile in
     under half the default -O3's time (the demos' 2.3-2.6 s -> 1.0-1.2 s; 3.6 -> 1.7 s with
     LoRA) to the same bits (-O1, -O2 and -O3 agree on every parameter of six model configs,
-    dense, MoE, bf16, scanned, LoRA; -O0 does not; tests/model/test_model.py checks it). An
+    dense, MoE, bf16, scanned, LoRA; -O0 does not; tests/model/test_weights.py checks it). An
     ``xla_backend_optimization_level`` in ``XLA_FLAGS`` wins (None: the tests' -O0)."""
     if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return None

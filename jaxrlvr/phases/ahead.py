@@ -25,7 +25,7 @@ from jaxrlvr.phases import base
 
 
 class CompileAhead:
-    """``before_first_step(phase)`` and ``after_first_step()`` around the run's first step;
+    """``before_first_step(phase)`` and ``after_first_step(phase)`` around the run's first step;
     ``thread``: the thread compiling (None until started, or where nothing compiles ahead);
     ``close()`` waits for a compile in flight (before the sampler closes)."""
 
